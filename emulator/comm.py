@@ -1,0 +1,342 @@
+"""The communicator: one point-to-point primitive that every byte between ranks passes through.
+
+A `Comm` is a group of ranks, numbered 0..R-1 inside the group, on top of a backend world
+(virtual ranks in one process, `emulator.local`; or MPI processes, `emulator.mpi`). It offers
+exactly three data-moving calls - `send`, `recv`, `sendrecv` - and records every message in the
+rank's byte ledger. Collectives (package `collectives`) are built only on these calls.
+
+Semantics, identical on both backends:
+- `send` is eager: it never blocks and the receiver gets a copy, so a later write by the sender
+  is never seen by the receiver.
+- Messages between a pair of ranks in one group arrive in the order they were sent (FIFO).
+- `recv` needs the expected shape and dtype (an `out` buffer, or `shape=` and `dtype=`), as MPI
+  does; a message of another shape or dtype is an error, not a silent reinterpretation.
+- Every blocking wait has a timeout; on expiry the error names the waiting rank, its peer, and
+  every rank's last completed and current collective (the flight recorder).
+
+Control-plane calls (`gather_object`, `allgather_object`) move Python objects for reports and
+checks. They are deliberately not counted: they are the emulator's instrumentation, not the
+training job's traffic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .ledger import Ledger, Record
+from .memory import MemoryLedger
+
+
+class CommError(RuntimeError):
+    """A communication failure: the message says which rank, where, and what to do."""
+
+
+class CommTimeout(CommError):
+    """A blocking wait exceeded the world's timeout (a hang, reported instead of waited on)."""
+
+
+class CollectiveMismatch(CommError):
+    """Ranks of one group called different collectives (op, algorithm, shape, dtype or group)."""
+
+
+class RankAborted(CommError):
+    """This rank stopped because another rank failed first; the spawner re-raises that failure."""
+
+
+@dataclass
+class Call:
+    """One collective call, as the flight recorder keeps it."""
+
+    seq: int
+    op: str
+    algorithm: str
+    group: str
+    shape: tuple
+    dtype: str
+    extra: str = ""
+
+    def signature(self) -> tuple:
+        """What must be identical on every rank of the group for the call to be valid."""
+        return (self.op, self.algorithm, self.group, self.shape, self.dtype, self.extra)
+
+    def describe(self) -> str:
+        extra = f", {self.extra}" if self.extra else ""
+        return (
+            f"{self.op}#{self.seq}(algorithm={self.algorithm!r}, group={self.group!r}, "
+            f"{self.dtype}{list(self.shape)}{extra})"
+        )
+
+
+@dataclass
+class RankState:
+    """Everything one rank owns that is shared by all of its communicators."""
+
+    rank: int
+    ledger: Ledger
+    memory: MemoryLedger = field(default_factory=MemoryLedger)
+    tags: list = field(default_factory=list)
+    calls: list = field(default_factory=list)  # flight recorder: every collective call
+    current: Call | None = None
+    depth: int = 0  # collective nesting (an all-reduce runs a reduce-scatter inside it)
+    group_counts: dict = field(default_factory=dict)
+    seqs: dict = field(default_factory=dict)  # collectives issued per group key
+    finished: bool = False  # the rank's program has returned
+
+    def flight(self) -> str:
+        done = [c for c in self.calls if c is not self.current]
+        last = done[-1].describe() if done else "none"
+        now = self.current.describe() if self.current else "none (in user code)"
+        if self.finished:
+            now = "none (its program has returned)"
+        return f"rank {self.rank}: last completed {last}; current {now}"
+
+
+_tls = threading.local()
+
+
+def current_state() -> RankState | None:
+    """The rank state of the calling thread (set by the backend when a rank starts)."""
+    return getattr(_tls, "state", None)
+
+
+def _bind_state(state: RankState | None) -> None:
+    _tls.state = state
+
+
+@contextlib.contextmanager
+def scope(tag: str):
+    """Label the traffic (and trace events) inside the block: `with scope("zero3/fwd/block.3")`.
+
+    Scopes nest; the recorded tag is the path of all open scopes joined by "/".
+    Outside any rank (plain single-process code) it is a no-op.
+    """
+    state = current_state()
+    if state is None:
+        yield
+        return
+    state.tags.append(str(tag))
+    try:
+        yield
+    finally:
+        state.tags.pop()
+
+
+class Comm:
+    """A group of ranks on one backend world. Subclasses implement `_post`, `_take`, `_check`."""
+
+    def __init__(self, world, state: RankState, ranks: tuple, name: str, key):
+        self.world = world
+        self.state = state
+        self.ranks = tuple(ranks)  # global rank of each group rank
+        self.name = name
+        self.key = key  # identical on every member; isolates this group's messages
+        self.rank = self.ranks.index(state.rank)
+        self.world_size = len(self.ranks)
+
+    # -- identity ---------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return self.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self.state.rank
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.state.ledger
+
+    @property
+    def memory(self) -> MemoryLedger:
+        return self.state.memory
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} rank {self.rank}/{self.world_size}>"
+
+    # -- point to point ---------------------------------------------------------------------
+    def send(self, array, dst: int) -> None:
+        """Eager send of `array` to group rank `dst`; the receiver gets a copy."""
+        array = self._as_message(array, "send")
+        self._peer(dst, "send to")
+        self._post(array, dst)
+        self._record("send", dst, array.nbytes)
+
+    def recv(self, src: int, out=None, shape=None, dtype=None):
+        """Receive the next message from group rank `src`; returns it (in `out` if given)."""
+        self._peer(src, "receive from")
+        out, shape, dtype = _expected(out, shape, dtype)
+        got = self._take(src, out, shape, dtype)
+        self._record("recv", src, got.nbytes)
+        return got
+
+    def sendrecv(self, array, dst: int, src: int, out=None, shape=None, dtype=None):
+        """Send to `dst` and receive from `src` (the building block of rings)."""
+        self.send(array, dst)
+        return self.recv(src, out=out, shape=shape, dtype=dtype)
+
+    # -- collectives' bookkeeping -------------------------------------------------------------
+    @contextlib.contextmanager
+    def collective(self, op: str, algorithm: str = "", array=None, extra: str = ""):
+        """Mark a collective call: ledger labels, flight recorder and cross-rank check.
+
+        Only the outermost call counts: an all-reduce that runs a reduce-scatter and an
+        all-gather inside it is recorded (and checked) once, as an all-reduce.
+        """
+        st = self.state
+        if st.depth:
+            st.depth += 1
+            try:
+                yield
+            finally:
+                st.depth -= 1
+            return
+        seq = st.seqs.get(self.key, 0)
+        st.seqs[self.key] = seq + 1
+        a = None if array is None else np.asarray(array)
+        call = Call(
+            seq=seq,
+            op=op,
+            algorithm=algorithm,
+            group=self.name,
+            shape=() if a is None else tuple(a.shape),
+            dtype="-" if a is None else str(a.dtype),
+            extra=extra,
+        )
+        st.calls.append(call)
+        st.current = call
+        st.depth = 1
+        try:
+            self._check(call)
+            yield
+        finally:
+            st.depth = 0
+            st.current = None
+
+    # -- groups -----------------------------------------------------------------------------
+    def group(self, ranks, name: str | None = None) -> Comm:
+        """A sub-communicator over `ranks` (this group's numbering), called by its members only.
+
+        Every member must call it with the same ranks in the same order; the new group numbers
+        them 0..len(ranks)-1 in that order.
+        """
+        ranks = [int(r) for r in ranks]
+        if not ranks:
+            raise ValueError("group(ranks): ranks is empty; give at least one rank")
+        bad = [r for r in ranks if not 0 <= r < self.world_size]
+        if bad:
+            raise ValueError(
+                f"group(ranks): rank(s) {bad} out of range for {self.name!r} of size "
+                f"{self.world_size}; use ranks in 0..{self.world_size - 1}"
+            )
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"group(ranks): duplicate ranks in {ranks}; list each rank once")
+        if self.rank not in ranks:
+            raise ValueError(
+                f"group(ranks): rank {self.rank} of {self.name!r} is not in {ranks}; only "
+                f"members create a group (see Mesh, which creates every rank's groups)"
+            )
+        glob = tuple(self.ranks[r] for r in ranks)
+        name = name or f"{self.name}{list(ranks)}"
+        n = self.state.group_counts.get((name, glob), 0)
+        self.state.group_counts[(name, glob)] = n + 1
+        return self._make_group(glob, name, (self.key, name, glob, n))
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _record(self, direction: str, peer: int, nbytes: int) -> None:
+        st = self.state
+        call = st.current
+        st.ledger.add(
+            Record(
+                op=call.op if call else "p2p",
+                algorithm=call.algorithm if call else "",
+                group=self.name,
+                peer=self.ranks[peer],
+                direction=direction,
+                nbytes=int(nbytes),
+                step=st.ledger.step,
+                tag="/".join(st.tags),
+                seq=call.seq if call else -1,
+            )
+        )
+
+    def _peer(self, peer: int, verb: str) -> None:
+        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.world_size:
+            raise ValueError(
+                f"rank {self.rank} of {self.name!r}: cannot {verb} rank {peer!r}; "
+                f"peers are 0..{self.world_size - 1}"
+            )
+        if peer == self.rank:
+            raise ValueError(
+                f"rank {self.rank} of {self.name!r}: cannot {verb} itself; a rank's own data "
+                f"does not cross a link (handle it locally)"
+            )
+
+    @staticmethod
+    def _as_message(array, what: str) -> np.ndarray:
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"{what}: expected a NumPy array, got {type(array).__name__}")
+        if array.dtype.hasobject or array.dtype.kind not in "biufcV":
+            raise ValueError(
+                f"{what}: dtype {array.dtype} is not a numeric dtype; send numbers "
+                f"(bool, int, float, complex, bfloat16)"
+            )
+        return array
+
+    # -- control plane (not counted) ----------------------------------------------------------
+    def gather_object(self, obj, root: int = 0):
+        """Every rank's `obj` as a list on `root` (None elsewhere). Uncounted instrumentation."""
+        objs = self.allgather_object(obj)
+        return objs if self.rank == root else None
+
+    def allgather_object(self, obj) -> list:
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        """A control-plane barrier (uncounted). `collectives.barrier` is the counted one."""
+        self.allgather_object(None)
+
+    # backend hooks
+    def _post(self, array: np.ndarray, dst: int) -> None:
+        raise NotImplementedError
+
+    def _take(self, src: int, out, shape, dtype) -> np.ndarray:
+        raise NotImplementedError
+
+    def _check(self, call: Call) -> None:
+        raise NotImplementedError
+
+    def _make_group(self, glob: tuple, name: str, key) -> Comm:
+        raise NotImplementedError
+
+
+def _expected(out, shape, dtype):
+    if out is not None:
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"recv: out must be a NumPy array, got {type(out).__name__}")
+        if not out.flags.c_contiguous:
+            raise ValueError(
+                "recv: out must be C-contiguous (received bytes fill it in order); "
+                "pass np.ascontiguousarray(...) or receive into a fresh buffer"
+            )
+        return out, out.shape, out.dtype
+    if shape is None or dtype is None:
+        raise ValueError(
+            "recv: give out=<buffer> or both shape= and dtype=; a receiver must know what it "
+            "expects (as with MPI), so a wrong message is caught instead of misread"
+        )
+    shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
+    return None, shape, np.dtype(dtype)
+
+
+def mismatch_message(group: str, mine: tuple, theirs: tuple) -> str:
+    """The text every rank of a mismatched collective sees: both ranks and both calls."""
+    (ra, ca), (rb, cb) = mine, theirs
+    return (
+        f"collective mismatch in group {group!r}: rank {ra} called {ca} but rank {rb} called "
+        f"{cb}. Every rank of a group must issue the same collectives in the same order with "
+        f"the same op, algorithm, shape and dtype."
+    )

@@ -1,0 +1,167 @@
+"""The same `Comm` over MPI: one OS process per rank, through mpi4py's buffer (Uppercase) API.
+
+Every message travels as raw bytes (`uint8` views), so any NumPy dtype - bfloat16 included -
+crosses unchanged. Each group owns two MPI communicators: one for data (our sends) and one for
+the control plane (collective checks, object gathers), so instrumentation never interleaves
+with counted traffic. Blocking waits are polls on nonblocking requests with a deadline, so a
+hang becomes a `CommTimeout` naming the waiting rank and its flight recorder; under MPI a rank
+can only see its own recorder (the other ranks report theirs when they time out).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import numpy as np
+
+from .comm import (
+    Call,
+    CollectiveMismatch,
+    Comm,
+    CommError,
+    CommTimeout,
+    RankState,
+    _bind_state,
+    mismatch_message,
+)
+from .ledger import Ledger
+
+SIG_BYTES = 512  # fixed width of a collective's signature on the control plane
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ImportError(
+            "the MPI backend needs mpi4py and an MPI library: pip install -e '.[mpi]'"
+        ) from exc
+    return MPI
+
+
+class MPIComm(Comm):
+    def __init__(self, world, state, ranks, name, key, data, ctrl):
+        super().__init__(world, state, ranks, name, key)
+        self.mpi, self.ctrl = data, ctrl
+
+    # -- waiting with a deadline ----------------------------------------------------------------
+    def _wait(self, done, what: str) -> None:
+        deadline = time.monotonic() + self.world.timeout
+        spins = 0
+        while not done():
+            spins += 1
+            if spins > 200:
+                time.sleep(min(1e-3, 1e-6 * spins))
+            if time.monotonic() > deadline:
+                raise CommTimeout(
+                    f"rank {self.state.rank} waited {self.world.timeout:g} s {what} in group "
+                    f"{self.name!r} (a hang: some rank skipped a call or is stuck). Under MPI "
+                    f"each rank reports its own flight recorder:\n  {self.state.flight()}"
+                )
+
+    # -- data plane -----------------------------------------------------------------------------
+    def _post(self, array: np.ndarray, dst: int) -> None:
+        buf = np.array(array, copy=True, order="C").reshape(-1).view(np.uint8)
+        req = self.mpi.Isend(buf, dest=dst, tag=0)
+        pending = self.world.pending
+        pending.append((req, buf))
+        if len(pending) > 32:
+            pending[:] = [p for p in pending if not p[0].Test()]
+
+    def _take(self, src: int, out, shape, dtype) -> np.ndarray:
+        MPI = _mpi()
+        status = MPI.Status()
+        self._wait(
+            lambda: self.mpi.Iprobe(source=src, tag=0, status=status),
+            f"to receive from rank {self.ranks[src]}",
+        )
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        got = status.Get_count(MPI.BYTE)
+        if got != nbytes:
+            raise CommError(
+                f"rank {self.state.rank} expected {dtype}{list(shape)} ({nbytes} bytes) from "
+                f"rank {self.ranks[src]} in group {self.name!r} but the message has {got} "
+                f"bytes; sender and receiver disagree about the message"
+            )
+        if out is None:
+            out = np.empty(shape, dtype)
+        self.mpi.Recv(out.reshape(-1).view(np.uint8), source=src, tag=0)
+        return out
+
+    def sendrecv(self, array, dst: int, src: int, out=None, shape=None, dtype=None):
+        # No eager copy: the send buffer is untouched until both halves complete here.
+        array = self._as_message(array, "sendrecv")
+        self._peer(dst, "send to")
+        self._peer(src, "receive from")
+        from .comm import _expected
+
+        out, shape, dtype = _expected(out, shape, dtype)
+        buf = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        req = self.mpi.Isend(buf, dest=dst, tag=0)
+        self._record("send", dst, array.nbytes)
+        got = self._take(src, out, shape, dtype)
+        self._wait(req.Test, f"for rank {self.ranks[dst]} to take a message")
+        self._record("recv", src, got.nbytes)
+        return got
+
+    # -- control plane ----------------------------------------------------------------------------
+    def _check(self, call: Call) -> None:
+        if not self.world.check:
+            return
+        sig = repr(call.signature()).encode()[:SIG_BYTES].ljust(SIG_BYTES)
+        mine = np.frombuffer(sig, dtype=np.uint8).copy()
+        every = np.empty((self.world_size, SIG_BYTES), np.uint8)
+        req = self.ctrl.Iallgather(mine, every)
+        self._wait(req.Test, f"to check collective {call.describe()} against the other ranks")
+        for r in range(self.world_size):
+            if bytes(every[r]) != bytes(mine):
+                theirs = bytes(every[r]).rstrip().decode(errors="replace")
+                raise CollectiveMismatch(
+                    mismatch_message(
+                        self.name,
+                        (self.state.rank, call.describe()),
+                        (self.ranks[r], f"a call with signature {theirs}"),
+                    )
+                )
+
+    def allgather_object(self, obj) -> list:
+        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        sizes = np.empty(self.world_size, np.int64)
+        req = self.ctrl.Iallgather(np.array([data.size], np.int64), sizes)
+        self._wait(req.Test, "in a control-plane gather")
+        every = np.empty(int(sizes.sum()), np.uint8)
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        req = self.ctrl.Iallgatherv(data, [every, sizes, offsets, _mpi().BYTE])
+        self._wait(req.Test, "in a control-plane gather")
+        return [pickle.loads(every[o : o + s].tobytes()) for o, s in zip(offsets, sizes)]
+
+    def _make_group(self, glob: tuple, name: str, key) -> Comm:
+        MPI = _mpi()
+        world = MPI.COMM_WORLD
+        data = world.Create_group(world.Get_group().Incl(list(glob)))
+        return MPIComm(self.world, self.state, glob, name, key, data, data.Dup())
+
+
+class MPIWorld:
+    def __init__(self, timeout: float, check: bool):
+        self.timeout = float(timeout)
+        self.check = check
+        self.pending: list = []
+
+    def finish(self, comm: MPIComm) -> None:
+        """Complete every outstanding eager send (each rank's sends must be received)."""
+        for req, _ in self.pending:
+            comm._wait(req.Test, "for a sent message to be received at exit")
+        self.pending.clear()
+
+
+def world_comm(timeout: float, check: bool = True) -> MPIComm:
+    """This process's world communicator (MPI must have been launched with mpiexec)."""
+    MPI = _mpi()
+    w = MPIWorld(timeout, check)
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    state = RankState(rank=rank, ledger=Ledger(rank))
+    _bind_state(state)
+    data = MPI.COMM_WORLD.Dup()
+    return MPIComm(w, state, tuple(range(size)), "world", ("world",), data, data.Dup())
