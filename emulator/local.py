@@ -42,7 +42,7 @@ class VirtualWorld:
         self.timeout = float(timeout)
         self.check = check
         self.states = [RankState(rank=r, ledger=Ledger(r)) for r in range(world_size)]
-        self.inbox = [dict() for _ in range(world_size)]  # (key, src) -> deque of arrays
+        self.inbox = [{} for _ in range(world_size)]  # (key, src) -> deque of arrays
         self.cond = [threading.Condition() for _ in range(world_size)]
         self.lock = threading.Lock()
         self.calls: dict = {}  # (group key, seq) -> [(global rank, Call), arrivals]
