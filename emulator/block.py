@@ -1,0 +1,110 @@
+"""One transformer block, forward and backward, with the three activation-recompute modes.
+
+Shape letters: B batch, S sequence, H d_model, A heads, F d_ff. ``bp`` is the block's parameter
+dict with local names ("ln1.gain", "attn.wq", "mlp.w1", "moe.router", ...).
+
+Recompute modes (Korthikanti et al. 2022, "Reducing Activation Recomputation", section 4):
+  none       keep every cached tensor
+  selective  drop the (B, A, S, S) attention probabilities; attention_backward recomputes them
+  full       keep only the block input x; the backward reruns the whole block forward first
+All three run the same arithmetic in the same order, so the gradients are bitwise identical.
+"""
+
+from __future__ import annotations
+
+from emulator.memory import saved_nbytes
+from emulator.moe import moe_backward, moe_forward
+from emulator.ops import (
+    attention_backward,
+    attention_forward,
+    gelu_backward,
+    gelu_forward,
+    layernorm_backward,
+    layernorm_forward,
+    linear_backward,
+    linear_forward,
+)
+from emulator.precision import down, up
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def _add(a, b):
+    """Residual add in the arithmetic dtype, stored like ``a``."""
+    return down(up(a) + up(b), a.dtype)
+
+
+def _forward(bp, x, cfg, groups, keep_probs):
+    """-> (x_out, aux, cache). The computation shared by every mode."""
+    c = {}
+    a, c["ln1"] = layernorm_forward(x, bp["ln1.gain"], bp["ln1.bias"], cfg.ln_eps)  # (B, S, H)
+    q, c["q"] = linear_forward(a, bp["attn.wq"], bp["attn.bq"])  # the three share input a
+    k, c["k"] = linear_forward(a, bp["attn.wk"], bp["attn.bk"])
+    v, c["v"] = linear_forward(a, bp["attn.wv"], bp["attn.bv"])
+    n_heads = cfg.n_heads * bp["attn.wq"].shape[1] // cfg.d_model  # fewer under tensor parallel
+    o, c["attn"] = attention_forward(q, k, v, n_heads, keep_probs=keep_probs)
+    y, c["o"] = linear_forward(o, bp["attn.wo"], bp["attn.bo"])
+    x = _add(x, y)
+    m, c["ln2"] = layernorm_forward(x, bp["ln2.gain"], bp["ln2.bias"], cfg.ln_eps)
+    if cfg.is_moe:
+        mp = {n[4:]: bp[n] for n in ("moe.router", "moe.w1", "moe.b1", "moe.w2", "moe.b2")}
+        kw = {"top_k": cfg.moe_top_k, "capacity_factor": cfg.capacity_factor}
+        y, aux, c["moe"] = moe_forward(mp, m, groups, **kw)
+    else:
+        z, c["w1"] = linear_forward(m, bp["mlp.w1"], bp["mlp.b1"])  # (B, S, F)
+        h, c["gelu"] = gelu_forward(z)
+        y, c["w2"] = linear_forward(h, bp["mlp.w2"], bp["mlp.b2"])
+        aux = 0.0
+    return _add(x, y), aux, c
+
+
+def block_forward(bp, x, cfg, *, recompute="none", groups=None, mem=None, name="block"):
+    """x (B, S, H) -> (x_out (B, S, H), cache); the MoE aux loss is ``cache["aux"]`` (0 if dense).
+
+    With ``mem``, the bytes the cache holds (excluding parameters) are allocated as
+    ``activations/<name>`` now and freed by block_backward.
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTE}")
+    out, aux, inner = _forward(bp, x, cfg, groups, keep_probs=recompute == "none")
+    saved = {"x": x} if recompute == "full" else inner  # full: everything else is dropped
+    cache = {"mode": recompute, "saved": saved, "aux": aux, "bp": bp, "cfg": cfg}
+    cache.update(groups=groups, mem=mem, name=name)
+    if mem is not None:
+        mem.alloc("activations", name, saved_nbytes(saved, exclude=bp.values()))
+    return out, cache
+
+
+def block_backward(dx, cache, daux=None):
+    """dx (B, S, H) = dloss/dx_out; daux = dloss/daux (default cfg.aux_loss_coef)
+    -> (dx_in (B, S, H), dbp with the local names, in bp's order)."""
+    bp, cfg, mem, name = cache["bp"], cache["cfg"], cache["mem"], cache["name"]
+    daux = cfg.aux_loss_coef if daux is None else daux
+    c = cache["saved"]
+    if cache["mode"] == "full":  # rerun the forward from the kept input (Chen et al. 2016)
+        _, _, c = _forward(bp, c["x"], cfg, cache["groups"], keep_probs=True)
+        if mem is not None:
+            mem.alloc("activations", name + ".recomputed", saved_nbytes(c, exclude=bp.values()))
+    g = {}
+    if cfg.is_moe:
+        dm, dmp = moe_backward(dx, c["moe"], daux)
+        g.update({"moe." + n: d for n, d in dmp.items()})
+    else:
+        dh, g["mlp.w2"], g["mlp.b2"] = linear_backward(dx, c["w2"])
+        dz = gelu_backward(dh, c["gelu"])
+        dm, g["mlp.w1"], g["mlp.b1"] = linear_backward(dz, c["w1"])
+    dln2, g["ln2.gain"], g["ln2.bias"] = layernorm_backward(dm, c["ln2"])
+    dx = _add(dx, dln2)  # residual: the gradient reaches x both directly and through LN2
+    do, g["attn.wo"], g["attn.bo"] = linear_backward(dx, c["o"])
+    dq, dk, dv = attention_backward(do, c["attn"])
+    da_q, g["attn.wq"], g["attn.bq"] = linear_backward(dq, c["q"])
+    da_k, g["attn.wk"], g["attn.bk"] = linear_backward(dk, c["k"])
+    da_v, g["attn.wv"], g["attn.bv"] = linear_backward(dv, c["v"])
+    da = down(up(da_q) + up(da_k) + up(da_v), dx.dtype)
+    dln1, g["ln1.gain"], g["ln1.bias"] = layernorm_backward(da, c["ln1"])
+    dx = _add(dx, dln1)
+    if mem is not None:
+        if cache["mode"] == "full":
+            mem.free("activations", name + ".recomputed")
+        mem.free("activations", name)
+    return dx, {n: g[n] for n in bp}

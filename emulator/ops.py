@@ -1,0 +1,201 @@
+"""Layer forward/backward pairs: ``x_forward(...) -> (out, cache)``, ``x_backward(dout, cache)``.
+
+Shape letters: B batch, S sequence used (S <= T), T max positions, H d_model (H_local under
+tensor parallelism), A heads (A_local), D = H // A head dim, F d_ff, V vocab, E experts, K top-k,
+N = B*S flattened tokens.
+
+Every op is vectorised (no Python loop over tokens, heads or elements) and dtype-polymorphic: the
+stored dtype of the input decides the arithmetic (see precision.py). Caches hold exactly what the
+backward needs; emulator/flops.py counts those bytes and the matmuls by formula.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from emulator.precision import down, up
+
+GELU_C = math.sqrt(2.0 / math.pi)
+
+
+# ---- embedding: x = tok[tokens] + pos[:S] -------------------------------------------------------
+def embedding_forward(tokens, tok, pos):
+    """tokens (B, S) ints; tok (V, H); pos (T, H) -> x (B, S, H)."""
+    S = tokens.shape[1]
+    x = up(tok[tokens]) + up(pos[:S])  # (B, S, H)
+    return down(x, tok.dtype), (tokens, tok.shape, pos.shape, tok.dtype)
+
+
+def embedding_backward(dx, cache):
+    """-> (dtok (V, H), dpos (T, H)); there is no dx: token ids are not differentiable."""
+    tokens, tok_shape, pos_shape, dtype = cache
+    B, S, H = dx.shape
+    d = up(dx)
+    dtok = np.zeros(tok_shape, d.dtype)
+    np.add.at(dtok, tokens.reshape(-1), d.reshape(B * S, H))  # repeated ids accumulate
+    dpos = np.zeros(pos_shape, d.dtype)
+    dpos[:S] = d.sum(axis=0)
+    return down(dtok, dtype), down(dpos, dtype)
+
+
+# ---- linear: y = x @ w + b, w (in, out) ----------------------------------------------------------
+def linear_forward(x, w, b=None):
+    """x (..., in) -> y (..., out). Flattened to one 2-D GEMM; bf16 operands meet in fp32."""
+    x2 = up(x.reshape(-1, x.shape[-1]))  # (N, in)
+    y = x2 @ up(w)  # (N, out)
+    if b is not None:
+        y += up(b)
+    return down(y.reshape(*x.shape[:-1], w.shape[1]), x.dtype), (x, w, b is not None)
+
+
+def linear_backward(dy, cache):
+    """-> (dx, dw, db); db is None when the layer has no bias."""
+    x, w, has_b = cache
+    dy2 = up(dy.reshape(-1, dy.shape[-1]))  # (N, out)
+    dx = down((dy2 @ up(w).T).reshape(x.shape), x.dtype)
+    dw = down(up(x.reshape(-1, x.shape[-1])).T @ dy2, w.dtype)  # (in, out)
+    db = down(dy2.sum(axis=0), w.dtype) if has_b else None
+    return dx, dw, db
+
+
+# ---- layernorm over the last axis, biased variance -----------------------------------------------
+def layernorm_forward(x, gain, bias, eps):
+    """x (..., H) -> y (..., H). Statistics in the arithmetic dtype (fp32 for bf16)."""
+    c = up(x)
+    xc = c - c.mean(axis=-1, keepdims=True)
+    rstd = 1.0 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)  # (..., 1)
+    xhat = xc * rstd
+    y = xhat * up(gain) + up(bias)
+    return down(y, x.dtype), (down(xhat, x.dtype), rstd, gain)
+
+
+def layernorm_backward(dy, cache):
+    """-> (dx, dgain, dbias)."""
+    xhat_s, rstd, gain = cache
+    d, xhat = up(dy), up(xhat_s)
+    H = d.shape[-1]
+    dgain = (d * xhat).reshape(-1, H).sum(axis=0)
+    dbias = d.reshape(-1, H).sum(axis=0)
+    dxhat = d * up(gain)
+    dx = rstd * (
+        dxhat
+        - dxhat.mean(axis=-1, keepdims=True)
+        - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
+    )
+    return down(dx, dy.dtype), down(dgain, gain.dtype), down(dbias, gain.dtype)
+
+
+# ---- gelu, tanh approximation: 0.5 z (1 + tanh(c (z + 0.044715 z^3))) ----------------------------
+def gelu_forward(z):
+    c = up(z)
+    t = np.tanh(GELU_C * (c + 0.044715 * c * c * c))
+    return down(0.5 * c * (1.0 + t), z.dtype), z
+
+
+def gelu_backward(dy, z):
+    """-> dz. The cache is z itself; tanh is recomputed (elementwise, cheap)."""
+    c = up(z)
+    t = np.tanh(GELU_C * (c + 0.044715 * c * c * c))
+    dgelu = 0.5 * (1.0 + t) + 0.5 * c * (1.0 - t * t) * GELU_C * (1.0 + 3 * 0.044715 * c * c)
+    return down(up(dy) * dgelu, z.dtype)
+
+
+# ---- causal multi-head attention core (q, k, v already projected) --------------------------------
+def _heads(t, A):
+    B, S, H = t.shape
+    return up(t).reshape(B, S, A, H // A).transpose(0, 2, 1, 3)  # (B, A, S, D)
+
+
+def _merge(t):
+    B, A, S, D = t.shape
+    return t.transpose(0, 2, 1, 3).reshape(B, S, A * D)  # (B, S, H)
+
+
+def _probs(q, k, A):
+    """softmax(q k^T / sqrt(D)) with key j > query i masked; stored dtype = q's dtype."""
+    qh, kh = _heads(q, A), _heads(k, A)
+    S = q.shape[1]
+    scores = qh @ kh.transpose(0, 1, 3, 2)  # (B, A, S, S)
+    scores *= 1.0 / math.sqrt(qh.shape[-1])
+    scores[..., np.triu(np.ones((S, S), dtype=bool), k=1)] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return down(scores, q.dtype)
+
+
+def attention_forward(q, k, v, n_heads, *, keep_probs=True):
+    """q, k, v (B, S, H_local), heads = consecutive D-column blocks -> o (B, S, H_local).
+
+    ``keep_probs=False`` is selective recomputation (Korthikanti et al. 2022, section 4.2): the
+    (B, A, S, S) probabilities are not cached and the backward recomputes them from q and k.
+    """
+    if q.shape[-1] % n_heads:
+        raise ValueError(f"attention: H_local={q.shape[-1]} not divisible by n_heads={n_heads}")
+    p = _probs(q, k, n_heads)  # (B, A, S, S)
+    o = up(p) @ _heads(v, n_heads)  # (B, A, S, D)
+    return down(_merge(o), q.dtype), (q, k, v, n_heads, p if keep_probs else None)
+
+
+def attention_backward(do, cache):
+    """-> (dq, dk, dv), each (B, S, H_local)."""
+    q, k, v, A, p = cache
+    if p is None:
+        p = _probs(q, k, A)  # the same code as the forward: bitwise the same probabilities
+    p = up(p)
+    doh, vh = _heads(do, A), _heads(v, A)
+    dv = p.transpose(0, 1, 3, 2) @ doh  # (B, A, S, D)
+    dp = doh @ vh.transpose(0, 1, 3, 2)  # (B, A, S, S)
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))  # softmax backward; masked p = 0
+    ds *= 1.0 / math.sqrt(doh.shape[-1])
+    dq = ds @ _heads(k, A)
+    dk = ds.transpose(0, 1, 3, 2) @ _heads(q, A)
+    dt = q.dtype
+    return down(_merge(dq), dt), down(_merge(dk), dt), down(_merge(dv), dt)
+
+
+# ---- softmax cross-entropy -----------------------------------------------------------------------
+def _log_softmax(logits):
+    z = up(logits).reshape(-1, logits.shape[-1])  # (N, V)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def cross_entropy_sum_forward(logits, targets):
+    """logits (..., V), targets (...) ints -> (sum of per-token losses, token count, cache).
+
+    The sum form lets data/pipeline layouts divide by a global token count.
+    """
+    logp = _log_softmax(logits)  # (N, V), arithmetic dtype
+    t = targets.reshape(-1)
+    total = -logp[np.arange(t.size), t].sum()
+    return total, t.size, (logits, targets)
+
+
+def cross_entropy_sum_backward(dsum, cache):
+    """-> dlogits = dsum * (softmax - onehot); the softmax is recomputed from the logits."""
+    logits, targets = cache
+    g = np.exp(_log_softmax(logits))  # (N, V)
+    t = targets.reshape(-1)
+    g[np.arange(t.size), t] -= 1.0
+    g *= dsum
+    return down(g.reshape(logits.shape), logits.dtype)
+
+
+def cross_entropy_forward(logits, targets):
+    """Mean over all tokens -> (loss, cache)."""
+    total, n, cache = cross_entropy_sum_forward(logits, targets)
+    return total / n, (cache, n)
+
+
+def cross_entropy_backward(dloss, cache):
+    inner, n = cache
+    return cross_entropy_sum_backward(dloss / n, inner)
+
+
+def softmax(z, axis=-1):
+    """Plain softmax in the arithmetic dtype (used by the MoE router)."""
+    e = np.exp(z - z.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)

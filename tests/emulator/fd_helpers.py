@@ -1,0 +1,32 @@
+"""Central finite differences in float64: the independent check of every backward."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def fd_grad(f, x, eps=1e-6):
+    """d f / d x by central differences, perturbing x in place one element at a time."""
+    g = np.zeros_like(x, dtype=np.float64)
+    flat, gflat = x.reshape(-1), g.reshape(-1)
+    for i in range(flat.size):
+        old = flat[i]
+        flat[i] = old + eps
+        fp = f()
+        flat[i] = old - eps
+        fm = f()
+        flat[i] = old
+        gflat[i] = (fp - fm) / (2 * eps)
+    return g
+
+
+def assert_close(name, got, want, rtol=1e-6, atol=1e-8):
+    """Fail with the name, the max difference and a few entries."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+    diff = np.abs(got - want)
+    bad = diff > atol + rtol * np.abs(want)
+    if bad.any():
+        idx = np.argwhere(bad)[:3]
+        rows = [f"{tuple(i)}: got {got[tuple(i)]:.12g} want {want[tuple(i)]:.12g}" for i in idx]
+        raise AssertionError(f"{name}: max |diff| {diff.max():.3g}; " + "; ".join(rows))
