@@ -30,3 +30,20 @@ def assert_close(name, got, want, rtol=1e-6, atol=1e-8):
         idx = np.argwhere(bad)[:3]
         rows = [f"{tuple(i)}: got {got[tuple(i)]:.12g} want {want[tuple(i)]:.12g}" for i in idx]
         raise AssertionError(f"{name}: max |diff| {diff.max():.3g}; " + "; ".join(rows))
+
+
+def fd_entries(f, x, n=4, seed=0, eps=1e-6):
+    """Central differences at ``n`` random entries of x -> (flat indices, values)."""
+    rng = np.random.default_rng(seed)
+    flat = x.reshape(-1)
+    idx = rng.choice(flat.size, size=min(n, flat.size), replace=False)
+    vals = []
+    for i in idx:
+        old = flat[i]
+        flat[i] = old + eps
+        fp = f()
+        flat[i] = old - eps
+        fm = f()
+        flat[i] = old
+        vals.append((fp - fm) / (2 * eps))
+    return idx, np.array(vals)
