@@ -14,7 +14,7 @@ from .comm import (
     current_state,
     scope,
 )
-from .launch import launch, under_mpi
+from .launcher import launch, under_mpi
 from .ledger import Ledger, Record, format_table, world_table
 from .local import spawn
 from .memory import MemoryLedger

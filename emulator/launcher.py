@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 
 from .local import DEFAULT_TIMEOUT, spawn
@@ -55,6 +56,7 @@ def _launch_mpi(main, timeout: float, check: bool) -> int:
     except BaseException:  # noqa: BLE001 - one failing rank must stop the whole job
         sys.stderr.write(f"[rank {comm.rank}] failed:\n{traceback.format_exc()}")
         sys.stderr.flush()
+        time.sleep(0.5)  # let the launcher forward our stderr before Abort tears the job down
         MPI.COMM_WORLD.Abort(1)
         os._exit(1)  # Abort may return before the launcher kills us; never continue
     every = MPI.COMM_WORLD.allreduce(int(ok), op=MPI.MIN)  # uncounted: a verdict, not traffic

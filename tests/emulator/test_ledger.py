@@ -1,0 +1,43 @@
+"""The byte ledger's queries and tables, on hand-made records."""
+
+import json
+
+import pytest
+
+from emulator.ledger import Ledger, Record, world_table
+
+
+def _ledger():
+    led = Ledger(0)
+    led.add(Record("all_reduce", "ring", "dp", 1, "send", 100, 0, "zero1/grads", 0))
+    led.add(Record("all_reduce", "ring", "dp", 3, "recv", 100, 0, "zero1/grads", 0))
+    led.add(Record("all_gather", "ring", "tp", 1, "send", 7, 1, "tp/fwd", 1))
+    led.add(Record("p2p", "", "pp", 2, "recv", 5, 1, "", -1))
+    return led
+
+
+def test_selection_and_totals():
+    led = _ledger()
+    assert led.sent() == 107 and led.received() == 105
+    assert led.sent(op="all_reduce") == 100 and led.received(group="pp") == 5
+    assert led.sent(tag="zero1*") == 100 and led.sent(step={1}) == 7
+    t = led.totals("op")
+    assert t["all_reduce"] == {"sent": 100, "recv": 100, "messages": 1}
+    assert t["p2p"] == {"sent": 0, "recv": 5, "messages": 0}
+    mark = led.mark()
+    led.add(Record("p2p", "", "pp", 2, "send", 9, 2, "", -1))
+    assert led.sent(led.since(mark)) == 9
+
+
+def test_bad_queries():
+    with pytest.raises(ValueError, match="unknown ledger field"):
+        _ledger().sent(colour="red")
+    with pytest.raises(ValueError, match="cannot group by 'nbytes'"):
+        _ledger().totals("nbytes")
+
+
+def test_world_table_and_json():
+    led = _ledger()
+    table = world_table([led.summary()], by="group")
+    assert "dp sent/recv" in table and "100/100" in table and "107" in table
+    assert len(json.loads(led.to_json())["records"]) == 4
