@@ -1,0 +1,93 @@
+"""AdamW (torch.optim.AdamW semantics) on named arrays or flat shards, and global-norm clipping.
+
+Spec: /work/shared/specs/model.md, "Optimizer". ``adamw_update`` is elementwise on whatever array
+it is handed, so ZeRO can run it on a flat shard of the concatenated parameters; clipping is split
+into ``grad_norm_sq`` (a local sum a sharded layout all-reduces) and ``clip_coefficient``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from emulator.precision import down, up
+
+
+def adamw_update(p, g, m, v, step, *, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0):
+    """One AdamW step in place on p, m, v (same shape, the master dtype); g may be bf16.
+
+    The order of operations is torch's ``_single_tensor_adamw``: decay, moments, then
+    p += -(lr / bc1) * (m / (sqrt(v) / sqrt(bc2) + eps)).
+    """
+    if step < 1:
+        raise ValueError(f"adamw_update: step counts from 1, got {step}")
+    b1, b2 = betas
+    g = g.astype(p.dtype, copy=False)
+    if weight_decay != 0.0:
+        p *= 1.0 - lr * weight_decay  # decoupled weight decay (Loshchilov & Hutter 2019)
+    m *= b1
+    m += (1.0 - b1) * g
+    v *= b2
+    v += (1.0 - b2) * (g * g)
+    denom = np.sqrt(v) / math.sqrt(1.0 - b2**step) + eps
+    p -= (lr / (1.0 - b1**step)) * (m / denom)
+
+
+class AdamW:
+    """AdamW over a dict of named master arrays. Defaults are the spec's (weight_decay 0.0)."""
+
+    def __init__(self, params, *, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0):
+        if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and all(0 <= b < 1 for b in betas)):
+            raise ValueError(
+                f"AdamW: need lr, eps, weight_decay >= 0 and 0 <= betas < 1; got lr={lr} "
+                f"betas={betas} eps={eps} weight_decay={weight_decay}"
+            )
+        self.hyper = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        self.m = {n: np.zeros_like(p) for n, p in params.items()}
+        self.v = {n: np.zeros_like(p) for n, p in params.items()}
+        self.step_count = 0
+
+    def step(self, params, grads) -> None:
+        """Update ``params`` in place from ``grads`` (same names)."""
+        if set(grads) != set(self.m):
+            raise KeyError(
+                f"AdamW.step: grads names differ: {sorted(set(grads) ^ set(self.m))[:5]}"
+            )
+        self.step_count += 1
+        for n, p in params.items():
+            adamw_update(p, grads[n], self.m[n], self.v[n], self.step_count, **self.hyper)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_count, "m": self.m, "v": self.v, **self.hyper}
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.m.values()) + sum(a.nbytes for a in self.v.values())
+
+
+def grad_norm_sq(grads) -> float:
+    """Sum of squares of every element of every gradient, accumulated in float64."""
+    total = 0.0
+    for g in grads.values() if isinstance(grads, dict) else grads:
+        flat = np.asarray(g, dtype=np.float64).reshape(-1)
+        total += float(np.dot(flat, flat))
+    return total
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_: min(1, max_norm / (total + 1e-6))."""
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def clip_grad_norm(grads, max_norm: float) -> float:
+    """Scale every gradient in place by clip_coefficient; returns the total norm before clipping.
+
+    Total = sqrt(sum of squares) over the whole model (torch takes the norm of per-tensor norms,
+    the same value up to rounding). A sharded layout all-reduces ``grad_norm_sq`` instead.
+    """
+    total = math.sqrt(grad_norm_sq(grads))
+    coef = clip_coefficient(total, max_norm)
+    if coef < 1.0:
+        for g in grads.values():
+            g[...] = down(up(g) * coef, g.dtype)
+    return total
