@@ -1,0 +1,203 @@
+"""The functional API, torch.distributed-like: `comm` first, new arrays out, inputs untouched.
+
+    y = all_reduce(comm, x, op="sum", algorithm="auto")     # every rank: the reduction
+    y = reduce_scatter(comm, x, op="sum")                    # rank r: rows chunk r of axis 0
+    y = all_gather(comm, x, sizes=None)                      # concat along axis 0
+    y = broadcast(comm, x, root=0); y = reduce(comm, x, root=0, op="sum")  # None off root
+    y = all_to_all(comm, x); ys = all_to_allv(comm, [x_to_0, x_to_1, ...], recv_counts=None)
+    y = gather(comm, x, root=0, sizes=None); y = scatter(comm, chunks, root=0, shape=, dtype=)
+    barrier(comm)
+
+Chunking: axis 0 (rows) is split like np.array_split - with n rows over p ranks the first
+n % p ranks get one extra row; an all-reduce chunks the flattened array the same way.
+Every call runs inside `comm.collective(op, algorithm, array, extra)`: the ledger labels its
+bytes and all ranks are checked to issue the same call (op, algorithm, shape, dtype, extra).
+Calls whose inputs legitimately differ per rank (all_to_allv, uneven gathers) check array=None
+and put the agreed parameters in `extra` instead. Byte counts: cost.py. Ops/dtypes: ops.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import alltoall, cost, ring, tree
+from .ops import check_dtype, check_op, finalize
+
+
+def _array(x, what: str) -> np.ndarray:
+    x = np.asarray(x)
+    check_dtype(x.dtype, what)
+    return x
+
+
+def _flat(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x).reshape(-1)  # a view when x is contiguous; never written
+
+
+def _choose(what: str, algorithm: str, allowed) -> str:
+    if algorithm not in allowed:
+        raise ValueError(f"{what}: unknown algorithm {algorithm!r}; choose one of {allowed}")
+    return algorithm
+
+
+def _root(comm, root, what: str) -> int:
+    if not isinstance(root, (int, np.integer)) or not 0 <= root < comm.size:
+        raise ValueError(
+            f"{what}: root {root!r} is not a rank of group {comm.name!r} of size {comm.size}; "
+            f"use 0..{comm.size - 1}"
+        )
+    return int(root)
+
+
+def _rows(x: np.ndarray, what: str) -> int:
+    if x.ndim == 0:
+        raise ValueError(f"{what}: needs at least one axis (it splits axis 0); got a 0-d array")
+    return x.shape[0]
+
+
+def all_reduce(comm, x, op: str = "sum", algorithm: str = "auto") -> np.ndarray:
+    """Every rank gets the elementwise reduction. "auto" = cost.auto_all_reduce (alpha-beta)."""
+    x = _array(x, "all_reduce")
+    check_op(op, x.dtype, "all_reduce")
+    algo = _choose("all_reduce", algorithm, ("auto", "ring", "tree"))
+    if algo == "auto":
+        algo = cost.auto_all_reduce(x.nbytes, comm.size)
+    with comm.collective("all_reduce", algo, x, extra=f"op={op}"):
+        if comm.size == 1:
+            return x.copy()
+        impl = ring.all_reduce if algo == "ring" else tree.all_reduce
+        return impl(comm, _flat(x), op).reshape(x.shape)
+
+
+def reduce_scatter(comm, x, op: str = "sum", algorithm: str = "ring") -> np.ndarray:
+    """Reduce, and keep rows chunk `rank` of axis 0: (n,...) -> (counts[rank], ...)."""
+    x = _array(x, "reduce_scatter")
+    check_op(op, x.dtype, "reduce_scatter")
+    algo = _choose("reduce_scatter", algorithm, ("ring",))
+    rows, rest = _rows(x, "reduce_scatter"), x.shape[1:]
+    with comm.collective("reduce_scatter", algo, x, extra=f"op={op}"):
+        rc = cost.chunk_counts(rows, comm.size)
+        counts = [c * int(np.prod(rest, dtype=np.int64)) for c in rc]
+        out = ring.reduce_scatter(comm, _flat(x), counts, op)
+        return finalize(op, out, comm.size).reshape((rc[comm.rank], *rest))
+
+
+def all_gather(comm, x, algorithm: str = "ring", sizes=None) -> np.ndarray:
+    """Concatenate every rank's x along axis 0. Uneven row counts: pass sizes[j] = rows of j."""
+    x = _array(x, "all_gather")
+    algo = _choose("all_gather", algorithm, ("ring",))
+    rows, rest = _rows(x, "all_gather"), x.shape[1:]
+    rs = _sizes(comm, sizes, rows, "all_gather")
+    arr, extra = (x, "") if sizes is None else (None, f"{x.dtype}, row={rest}, sizes={rs}")
+    with comm.collective("all_gather", algo, arr, extra=extra):
+        k = int(np.prod(rest, dtype=np.int64))
+        out = ring.all_gather(comm, _flat(x), [s * k for s in rs])
+        return out.reshape((sum(rs), *rest))
+
+
+def _sizes(comm, sizes, rows: int, what: str) -> list[int]:
+    if sizes is None:
+        return [rows] * comm.size
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != comm.size or min(sizes) < 0:
+        raise ValueError(
+            f"{what}: sizes must list {comm.size} non-negative row counts; got {sizes}"
+        )
+    if sizes[comm.rank] != rows:
+        raise ValueError(
+            f"{what}: rank {comm.rank} has {rows} rows but sizes[{comm.rank}] = "
+            f"{sizes[comm.rank]}; sizes must be every rank's axis-0 length"
+        )
+    return sizes
+
+
+def broadcast(comm, x, root: int = 0, algorithm: str = "tree") -> np.ndarray:
+    """Every rank gets root's x. Non-roots pass an array of the same shape/dtype (ignored)."""
+    x = _array(x, "broadcast")
+    root = _root(comm, root, "broadcast")
+    algo = _choose("broadcast", algorithm, ("tree",))
+    with comm.collective("broadcast", algo, x, extra=f"root={root}"):
+        return tree.broadcast(comm, _flat(x), root).reshape(x.shape)
+
+
+def reduce(comm, x, root: int = 0, op: str = "sum", algorithm: str = "tree"):
+    """The reduction on root (a new array); None on the other ranks."""
+    x = _array(x, "reduce")
+    check_op(op, x.dtype, "reduce")
+    root = _root(comm, root, "reduce")
+    algo = _choose("reduce", algorithm, ("tree",))
+    with comm.collective("reduce", algo, x, extra=f"op={op}, root={root}"):
+        out = tree.reduce(comm, _flat(x), op, root)
+        return None if out is None else finalize(op, out, comm.size).reshape(x.shape)
+
+
+def all_to_all(comm, x, algorithm: str = "pairwise") -> np.ndarray:
+    """Axis 0 in p equal blocks; block j goes to rank j; block j of the result came from j."""
+    x = _array(x, "all_to_all")
+    algo = _choose("all_to_all", algorithm, ("pairwise",))
+    if _rows(x, "all_to_all") % comm.size:
+        raise ValueError(
+            f"all_to_all: axis 0 has {x.shape[0]} rows, not divisible by the group size "
+            f"{comm.size}; pad it, or use all_to_allv with per-rank lists"
+        )
+    with comm.collective("all_to_all", algo, x):
+        return alltoall.all_to_all(comm, np.ascontiguousarray(x))
+
+
+def all_to_allv(comm, sends, recv_counts=None, algorithm: str = "pairwise") -> list:
+    """sends[j]: rows for rank j, (rows_j, *row); all share dtype and row shape. Returns a list
+    whose entry j is what rank j sent here. recv_counts=None: the row counts are first
+    exchanged with a counted int64 all-to-all (8 (p-1) bytes each way, see cost.py)."""
+    algo = _choose("all_to_allv", algorithm, ("pairwise",))
+    sends = [_array(s, "all_to_allv") for s in sends]
+    if len(sends) != comm.size:
+        raise ValueError(f"all_to_allv: give one array per rank ({comm.size}); got {len(sends)}")
+    row, dtype = sends[0].shape[1:], sends[0].dtype
+    for j, s in enumerate(sends):
+        if s.ndim == 0 or s.shape[1:] != row or s.dtype != dtype:
+            raise ValueError(
+                f"all_to_allv: sends[{j}] is {s.dtype}{list(s.shape)} but sends[0] is "
+                f"{dtype}{list(sends[0].shape)}; every block needs the same dtype and row shape"
+            )
+    how = "exchanged" if recv_counts is None else "given"
+    with comm.collective("all_to_allv", algo, None, extra=f"{dtype}, row={row}, counts {how}"):
+        if recv_counts is None:
+            recv_counts = alltoall.exchange_counts(comm, [s.shape[0] for s in sends])
+        return alltoall.all_to_allv(comm, sends, [int(c) for c in recv_counts], row, dtype)
+
+
+def gather(comm, x, root: int = 0, sizes=None):
+    """Concatenation along axis 0 on root (None elsewhere); uneven rows via sizes."""
+    x = _array(x, "gather")
+    root = _root(comm, root, "gather")
+    rs = _sizes(comm, sizes, _rows(x, "gather"), "gather")
+    arr, extra = (x, "") if sizes is None else (None, f"{x.dtype}, row={x.shape[1:]}, sizes={rs}")
+    with comm.collective("gather", "linear", arr, extra=f"root={root}, {extra}"):
+        return alltoall.gather(comm, x, rs, root)
+
+
+def scatter(comm, chunks, root: int = 0, shape=None, dtype=None) -> np.ndarray:
+    """Rank j gets chunks[j] of root's list of p equal-shape arrays. Non-roots pass chunks=None
+    with the chunk's shape and dtype (like torch's preallocated output)."""
+    root = _root(comm, root, "scatter")
+    if comm.rank == root:
+        chunks = [_array(c, "scatter") for c in chunks]
+        if len(chunks) != comm.size or any(
+            c.shape != chunks[0].shape or c.dtype != chunks[0].dtype for c in chunks
+        ):
+            raise ValueError(
+                f"scatter: root needs {comm.size} chunks of one shape and dtype; got "
+                f"{[f'{c.dtype}{list(c.shape)}' for c in chunks]}"
+            )
+        shape, dtype = chunks[0].shape, chunks[0].dtype
+    elif shape is None or dtype is None:
+        raise ValueError("scatter: non-root ranks must pass shape= and dtype= of their chunk")
+    shape, dtype = tuple(int(s) for s in np.atleast_1d(shape)), check_dtype(dtype, "scatter")
+    with comm.collective("scatter", "linear", None, extra=f"root={root}, {dtype}{list(shape)}"):
+        return alltoall.scatter(comm, chunks, shape, dtype, root)
+
+
+def barrier(comm) -> None:
+    """A counted barrier: dissemination rounds of 1-byte tokens (cost.dissemination_barrier)."""
+    with comm.collective("barrier", "dissemination"):
+        alltoall.barrier(comm)
