@@ -10,7 +10,7 @@ import emulator
 
 DTYPES = (np.float32, np.float64, np.int64)
 SETTINGS = settings(
-    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 world_sizes = st.integers(1, 16)
 lengths = st.integers(0, 40)
