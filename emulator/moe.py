@@ -33,11 +33,13 @@ def route(u, router, top_k, capacity_factor):
     """
     N, E, K = u.shape[0], router.shape[1], top_k
     probs = softmax(up(u) @ up(router))  # (N, E), router arithmetic in fp32 or wider
-    topi = np.argsort(-probs, axis=1, kind="stable")[:, :K]  # (N, K): ties -> lower index first
+    topi = np.argsort(-probs, axis=1, kind="stable")[
+        :, :K
+    ].copy()  # (N, K): ties -> lower index first
     psel = np.take_along_axis(probs, topi, axis=1)  # (N, K)
     gates = psel / psel.sum(axis=1, keepdims=True) if K > 1 else psel
     C = capacity(N, K, E, capacity_factor)
-    expert = topi.T.reshape(-1)  # (K*N,) choice-major
+    expert = topi.T.flatten()  # (K*N,) choice-major (a copy)
     token = np.tile(np.arange(N), K)  # (K*N,)
     counts = np.bincount(expert, minlength=E)  # choices per expert, before dropping
     order = np.argsort(expert, kind="stable")  # groups choices by expert, keeps fill order
@@ -45,7 +47,7 @@ def route(u, router, top_k, capacity_factor):
     pos = np.empty_like(expert)
     pos[order] = np.arange(K * N) - starts[expert[order]]  # slot index within the expert
     keep = pos < C
-    f = counts / (N * K)  # (E,) constants of the backward
+    f = (counts / (N * K)).astype(probs.dtype)  # (E,) constants of the backward
     aux = E * float(np.dot(f, probs.mean(axis=0)))  # Switch Transformer eq. 4 (Fedus et al.)
     return {
         "u": u, "router": router, "probs": probs, "topi": topi, "gates": gates,
