@@ -23,6 +23,7 @@ from .comm import (
     CommTimeout,
     RankState,
     _bind_state,
+    _expected,
     mismatch_message,
 )
 from .ledger import Ledger
@@ -47,18 +48,23 @@ class MPIComm(Comm):
 
     # -- waiting with a deadline ----------------------------------------------------------------
     def _wait(self, done, what: str) -> None:
-        deadline = time.monotonic() + self.world.timeout
+        # Spin first (latency), then yield the core on every poll (ranks often outnumber cores),
+        # then sleep briefly so a long wait does not burn a core. Never wait without a deadline.
+        start = time.monotonic()
+        deadline = start + self.world.timeout
         spins = 0
         while not done():
             spins += 1
-            if spins > 200:
-                time.sleep(min(1e-3, 1e-6 * spins))
-            if time.monotonic() > deadline:
-                raise CommTimeout(
-                    f"rank {self.state.rank} waited {self.world.timeout:g} s {what} in group "
-                    f"{self.name!r} (a hang: some rank skipped a call or is stuck). Under MPI "
-                    f"each rank reports its own flight recorder:\n  {self.state.flight()}"
-                )
+            if spins > 100:
+                now = time.monotonic()
+                time.sleep(0 if now - start < 0.05 else 2e-4)
+                if now > deadline:
+                    raise CommTimeout(
+                        f"rank {self.state.rank} waited {self.world.timeout:g} s {what} in "
+                        f"group {self.name!r} (a hang: some rank skipped a call or is stuck). "
+                        f"Under MPI each rank reports its own flight recorder:\n  "
+                        f"{self.state.flight()}"
+                    )
 
     # -- data plane -----------------------------------------------------------------------------
     def _post(self, array: np.ndarray, dst: int) -> None:
@@ -70,40 +76,49 @@ class MPIComm(Comm):
             pending[:] = [p for p in pending if not p[0].Test()]
 
     def _take(self, src: int, out, shape, dtype) -> np.ndarray:
-        MPI = _mpi()
-        status = MPI.Status()
-        self._wait(
-            lambda: self.mpi.Iprobe(source=src, tag=0, status=status),
-            f"to receive from rank {self.ranks[src]}",
-        )
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        got = status.Get_count(MPI.BYTE)
-        if got != nbytes:
-            raise CommError(
-                f"rank {self.state.rank} expected {dtype}{list(shape)} ({nbytes} bytes) from "
-                f"rank {self.ranks[src]} in group {self.name!r} but the message has {got} "
-                f"bytes; sender and receiver disagree about the message"
-            )
-        if out is None:
-            out = np.empty(shape, dtype)
-        self.mpi.Recv(out.reshape(-1).view(np.uint8), source=src, tag=0)
+        req, out = self._irecv(src, out, shape, dtype)
+        self._complete(req, src, out)
         return out
 
+    def _irecv(self, src: int, out, shape, dtype):
+        if out is None:
+            out = np.empty(shape, dtype)
+        return self.mpi.Irecv(out.reshape(-1).view(np.uint8), source=src, tag=0), out
+
+    def _complete(self, req, src: int, out, send_req=None) -> None:
+        """Wait for a posted receive (and our matching send); check the message's size."""
+        MPI = _mpi()
+        status = MPI.Status()
+        peer = self.ranks[src]
+        try:
+            self._wait(lambda: req.Test(status), f"to receive from rank {peer}")
+        except MPI.Exception as exc:  # a larger message than expected: MPI_ERR_TRUNCATE
+            raise self._size_error(src, out, f"more than {out.nbytes}") from exc
+        if status.Get_count(MPI.BYTE) != out.nbytes:
+            raise self._size_error(src, out, str(status.Get_count(MPI.BYTE)))
+        if send_req is not None:
+            self._wait(send_req.Test, f"for rank {peer} to take our message")
+
+    def _size_error(self, src: int, out, got: str) -> CommError:
+        return CommError(
+            f"rank {self.state.rank} expected {out.dtype}{list(out.shape)} ({out.nbytes} bytes) "
+            f"from rank {self.ranks[src]} in group {self.name!r} but the message has {got} "
+            f"bytes; sender and receiver disagree about the message"
+        )
+
     def sendrecv(self, array, dst: int, src: int, out=None, shape=None, dtype=None):
-        # No eager copy: the send buffer is untouched until both halves complete here.
+        # Post the receive first (the data lands in place), then send without an eager copy:
+        # the send buffer is untouched until both halves complete here.
         array = self._as_message(array, "sendrecv")
         self._peer(dst, "send to")
         self._peer(src, "receive from")
-        from .comm import _expected
-
         out, shape, dtype = _expected(out, shape, dtype)
-        buf = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        req = self.mpi.Isend(buf, dest=dst, tag=0)
+        rreq, out = self._irecv(src, out, shape, dtype)
+        sreq = self.mpi.Isend(np.ascontiguousarray(array).reshape(-1).view(np.uint8), dest=dst)
         self._record("send", dst, array.nbytes)
-        got = self._take(src, out, shape, dtype)
-        self._wait(req.Test, f"for rank {self.ranks[dst]} to take a message")
-        self._record("recv", src, got.nbytes)
-        return got
+        self._complete(rreq, src, out, send_req=sreq)
+        self._record("recv", src, out.nbytes)
+        return out
 
     # -- control plane ----------------------------------------------------------------------------
     def _check(self, call: Call) -> None:
