@@ -115,3 +115,17 @@ def format_table(head: list[str], rows: list[list]) -> str:
     line = "  ".join(h.rjust(w) for h, w in zip(head, widths))
     body = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join([line, "-" * len(line), *body])
+
+
+def gather_summaries(comm) -> list[dict]:
+    """Every rank's `Ledger.summary()`, on every rank (through the uncounted control plane)."""
+    return comm.allgather_object(comm.ledger.summary())
+
+
+def world_report(comm, by: str = "op", path: str | None = None) -> str:
+    """The world's bytes table by `by`; with `path`, also the summaries as JSON (rank 0 writes)."""
+    summaries = gather_summaries(comm)
+    if path is not None and comm.rank == 0:
+        with open(path, "w") as f:
+            json.dump(summaries, f, indent=1)
+    return world_table(summaries, by)

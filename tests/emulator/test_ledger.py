@@ -41,3 +41,28 @@ def test_world_table_and_json():
     table = world_table([led.summary()], by="group")
     assert "dp sent/recv" in table and "100/100" in table and "107" in table
     assert len(json.loads(led.to_json())["records"]) == 4
+
+
+def test_world_report_gathers_every_rank(tmp_path):
+    import numpy as np
+
+    import emulator
+    from emulator.ledger import world_report
+
+    def fn(c):
+        if c.rank == 0:
+            c.send(np.ones(5), 1)  # 40 bytes
+        elif c.rank == 1:
+            c.recv(0, shape=5, dtype=np.float64)
+        return world_report(c, by="group", path=str(tmp_path / "bytes.json"))
+
+    tables = emulator.spawn(fn, 3)
+    assert tables[0] == tables[2]
+    rows = tables[0].splitlines()[2:]
+    assert [r.split() for r in rows] == [
+        ["0", "40/0", "40", "0"],
+        ["1", "0/40", "0", "40"],
+        ["2", "0/0", "0", "0"],
+    ]
+    saved = json.loads((tmp_path / "bytes.json").read_text())
+    assert [s["sent"] for s in saved] == [40, 0, 0]
