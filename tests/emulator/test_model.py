@@ -76,7 +76,7 @@ def test_gradients_match_finite_differences(case):
     assert list(grads) == list(p)
     f = lambda: M.model_forward(p, tokens, targets, cfg, groups=groups)[0]
     for i, (name, g) in enumerate(grads.items()):
-        idx, num = fd_entries(f, p[name], n=3, seed=i)
+        idx, num = fd_entries(f, p[name], n=5, seed=i)
         assert_close(name, g.reshape(-1)[idx], num, rtol=1e-6, atol=1e-9)
 
 

@@ -51,9 +51,9 @@ def test_mixed_precision_tracks_float64_and_counts_16_bytes_per_param():
         mems[dt] = MemoryLedger()
         runs[dt] = reference_train(cfg, 0, _batches(8, 8), 80, lr=1e-2, max_norm=1.0, mem=mems[dt])
     lo, hi = np.array(runs["float64"].losses), np.array(runs["mixed"].losses)
-    # stated tolerance: per-step losses within 5% relative over the first 10 steps, and the
-    # mixed run learns the task (final loss below half the initial)
-    np.testing.assert_allclose(hi[:10], lo[:10], rtol=5e-2)
+    # stated tolerance: per-step losses within 1% relative of float64 over the first 10 steps
+    # (measured: 2e-3), and the mixed run learns the task (final loss below half the initial)
+    np.testing.assert_allclose(hi[:10], lo[:10], rtol=1e-2)
     assert hi[-1] < 0.5 * hi[0]
     n = sum(p.size for p in runs["mixed"].params.values())
     m = mems["mixed"]
