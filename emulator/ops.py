@@ -88,18 +88,43 @@ def layernorm_backward(dy, cache):
 
 
 # ---- gelu, tanh approximation: 0.5 z (1 + tanh(c (z + 0.044715 z^3))) ----------------------------
+def _gelu_tanh(c):
+    """c (arithmetic dtype) -> (tanh(sqrt(2/pi) c (1 + 0.044715 c^2)), c^2); in place, no
+    extra temporaries: GELU is a quarter of a training step's time in NumPy otherwise."""
+    c2 = c * c
+    t = c2 * 0.044715
+    t += 1.0
+    t *= c
+    t *= GELU_C
+    return np.tanh(t, out=t), c2
+
+
 def gelu_forward(z):
     c = up(z)
-    t = np.tanh(GELU_C * (c + 0.044715 * c * c * c))
-    return down(0.5 * c * (1.0 + t), z.dtype), z
+    y, _ = _gelu_tanh(c)
+    y += 1.0
+    y *= c
+    y *= 0.5
+    return down(y, z.dtype), z
 
 
 def gelu_backward(dy, z):
-    """-> dz. The cache is z itself; tanh is recomputed (elementwise, cheap)."""
+    """-> dz. The cache is z itself; tanh is recomputed (elementwise, cheap).
+    d gelu / dz = 0.5 (1 + t) + 0.5 z (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 z^2)."""
     c = up(z)
-    t = np.tanh(GELU_C * (c + 0.044715 * c * c * c))
-    dgelu = 0.5 * (1.0 + t) + 0.5 * c * (1.0 - t * t) * GELU_C * (1.0 + 3 * 0.044715 * c * c)
-    return down(up(dy) * dgelu, z.dtype)
+    t, c2 = _gelu_tanh(c)
+    d = t * t
+    np.subtract(1.0, d, out=d)
+    d *= c
+    c2 *= 3 * 0.044715
+    c2 += 1.0
+    c2 *= 0.5 * GELU_C
+    d *= c2
+    t += 1.0
+    t *= 0.5
+    d += t
+    d *= up(dy)
+    return down(d, z.dtype)
 
 
 # ---- causal multi-head attention core (q, k, v already projected) --------------------------------
