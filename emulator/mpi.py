@@ -10,6 +10,7 @@ can only see its own recorder (the other ranks report theirs when they time out)
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 import time
 
@@ -27,8 +28,6 @@ from .comm import (
     mismatch_message,
 )
 from .ledger import Ledger
-
-SIG_BYTES = 512  # fixed width of a collective's signature on the control plane
 
 
 def _mpi():
@@ -122,23 +121,24 @@ class MPIComm(Comm):
 
     # -- control plane ----------------------------------------------------------------------------
     def _check(self, call: Call) -> None:
+        # One 8-byte digest per rank per collective keeps the check cheap; only when digests
+        # differ do the ranks exchange their full descriptions, so every rank can name both.
         if not self.world.check:
             return
-        sig = repr(call.signature()).encode()[:SIG_BYTES].ljust(SIG_BYTES)
-        mine = np.frombuffer(sig, dtype=np.uint8).copy()
-        every = np.empty((self.world_size, SIG_BYTES), np.uint8)
+        digest = hashlib.blake2b(repr(call.signature()).encode(), digest_size=8).digest()
+        mine = np.frombuffer(digest, dtype=np.uint64).copy()
+        every = np.empty(self.world_size, np.uint64)
         req = self.ctrl.Iallgather(mine, every)
         self._wait(req.Test, f"to check collective {call.describe()} against the other ranks")
-        for r in range(self.world_size):
-            if bytes(every[r]) != bytes(mine):
-                theirs = bytes(every[r]).rstrip().decode(errors="replace")
-                raise CollectiveMismatch(
-                    mismatch_message(
-                        self.name,
-                        (self.state.rank, call.describe()),
-                        (self.ranks[r], f"a call with signature {theirs}"),
-                    )
-                )
+        if np.all(every == mine[0]):
+            return
+        calls = self.allgather_object(call.describe())
+        other = next(r for r in range(self.world_size) if calls[r] != calls[self.rank])
+        raise CollectiveMismatch(
+            mismatch_message(
+                self.name, (self.state.rank, calls[self.rank]), (self.ranks[other], calls[other])
+            )
+        )
 
     def allgather_object(self, obj) -> list:
         data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
