@@ -84,7 +84,11 @@ def main(argv=None) -> int:
     )
 
     ok = not failures
-    print(f"\nverdict: {'PASS' if ok else 'FAIL: ' + '; '.join(failures)}")
+    summary = (
+        f"loss {run.losses[0]:.3f} -> {run.losses[-1]:.4f} in {STEPS} steps; bytes/param, "
+        f"activation bytes and FLOPs equal their formulas"
+    )
+    print(f"\nVERDICT: {'PASS - ' + summary if ok else 'FAIL: ' + '; '.join(failures)}")
     return 0 if ok else 1
 
 
