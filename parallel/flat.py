@@ -1,0 +1,138 @@
+"""Flat padded buffers: the memory layout shared by DDP buckets, ZeRO partitions and FSDP units.
+
+A group of named parameters is laid out back to back in one 1-D buffer of `padded` elements,
+`numel` of them real and the rest zeros, with `padded` the next multiple of the data-parallel
+degree D. Then every ring chunk is exactly `padded / D` elements, so the reduce-scatter /
+all-gather byte counts are exactly `padded (D-1)/D * itemsize` (collectives/cost.py) and rank r
+owns the contiguous slice `[r * shard, (r+1) * shard)`, as in FSDP's FlatParameter (Zhao et al.
+2023, "PyTorch FSDP", section 3.2.1) and DeepSpeed's partitioned flat groups (ZeRO, section 5).
+
+Buckets follow PyTorch DDP (Li et al. 2020, "PyTorch Distributed", section 3.2.3): parameters in
+reverse registration order (the order the backward produces their gradients), a new bucket
+started once the current one holds >= bucket_cap bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from emulator.precision import down, up
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatLayout:
+    """Where each named parameter lives in one flat buffer of `padded` elements."""
+
+    index: int
+    names: tuple
+    shapes: tuple
+    offsets: tuple  # start of each name; offsets[i] + size(shapes[i]) is its end
+    numel: int  # real elements
+    padded: int  # numel rounded up to a multiple of D
+    D: int
+
+    @property
+    def shard(self) -> int:
+        return self.padded // self.D
+
+    @property
+    def padding(self) -> int:
+        return self.padded - self.numel
+
+    def owned(self, rank: int) -> slice:
+        return slice(rank * self.shard, (rank + 1) * self.shard)
+
+    def slot(self, name: str) -> slice:
+        i = self.names.index(name)
+        return slice(self.offsets[i], self.offsets[i] + math.prod(self.shapes[i]))
+
+    def flatten(self, arrays: dict, dtype) -> np.ndarray:
+        """(padded,) buffer holding arrays[name] for every name, zeros in the padding."""
+        flat = np.zeros(self.padded, dtype=dtype)
+        for n in self.names:
+            flat[self.slot(n)] = np.asarray(arrays[n]).reshape(-1)
+        return flat
+
+    def views(self, flat: np.ndarray) -> dict:
+        """{name: view of flat with the parameter's shape} (writes go to the buffer)."""
+        return {n: flat[self.slot(n)].reshape(s) for n, s in zip(self.names, self.shapes)}
+
+
+def make_layout(index: int, shapes: dict, D: int) -> FlatLayout:
+    names = tuple(shapes)
+    sizes = [math.prod(shapes[n]) for n in names]
+    offsets = tuple(int(o) for o in np.cumsum([0, *sizes[:-1]])) if names else ()
+    numel = int(sum(sizes))
+    padded = -(-max(numel, 1) // D) * D  # ceil to a multiple of D (never empty)
+    return FlatLayout(index, names, tuple(shapes[n] for n in names), offsets, numel, padded, D)
+
+
+def make_buckets(shapes: dict, D: int, bucket_cap_mb: float, itemsize: int) -> list:
+    """PyTorch's rule: reverse order, close a bucket once it holds >= cap bytes."""
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be > 0 (megabytes per bucket), got {bucket_cap_mb}")
+    cap = bucket_cap_mb * 2**20
+    groups, cur, nbytes = [], {}, 0
+    for name in reversed(list(shapes)):
+        cur[name] = shapes[name]
+        nbytes += math.prod(shapes[name]) * itemsize
+        if nbytes >= cap:
+            groups.append(cur)
+            cur, nbytes = {}, 0
+    if cur:
+        groups.append(cur)
+    return [make_layout(i, g, D) for i, g in enumerate(groups)]
+
+
+def fsdp_units(shapes: dict, D: int) -> list:
+    """One unit per transformer block, plus a root unit (embeddings, final norm, head), in
+    forward order: root first (its embedding runs first), then blocks.0 .. blocks.L-1."""
+    units: dict[str, dict] = {"root": {}}
+    for name, shape in shapes.items():
+        key = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else "root"
+        units.setdefault(key, {})[name] = shape
+    return [make_layout(i, g, D) for i, g in enumerate(units.values())]
+
+
+def unit_of(layouts: list) -> dict:
+    """{parameter name: its layout}."""
+    return {n: lay for lay in layouts for n in lay.names}
+
+
+class GradAccumulator:
+    """Full (padded) flat gradient buffers per layout, filled as the backward produces grads.
+
+    `add` sums a gradient into its slot (in the arithmetic dtype, stored in the buffer's dtype,
+    as the reference accumulates micro-batches) and returns the layout when its last gradient of
+    this micro-batch has arrived - the moment DDP / ZeRO-2 / FSDP launch its collective.
+    """
+
+    def __init__(self, layouts: list, dtype):
+        self.layouts, self.dtype = layouts, np.dtype(dtype)
+        self.of = unit_of(layouts)
+        self.flats: dict[int, np.ndarray] = {}
+        self.seen: dict[int, set] = {}
+
+    def add(self, name: str, grad) -> FlatLayout | None:
+        lay = self.of.get(name)
+        if lay is None:
+            raise KeyError(f"gradient for {name!r}, which is not a parameter of this group")
+        seen = self.seen.setdefault(lay.index, set())
+        if name in seen:
+            raise ValueError(f"gradient of {name!r} arrived twice in one micro-batch")
+        seen.add(name)
+        flat = self.flats.get(lay.index)
+        if flat is None:
+            flat = self.flats[lay.index] = np.zeros(lay.padded, self.dtype)
+        s = lay.slot(name)
+        flat[s] = down(up(flat[s]) + up(np.asarray(grad).reshape(-1)), self.dtype)
+        if len(seen) < len(lay.names):
+            return None
+        del self.seen[lay.index]  # complete: the next micro-batch starts afresh
+        return lay
+
+    def pop(self, index: int) -> np.ndarray:
+        return self.flats.pop(index)
