@@ -1,0 +1,87 @@
+"""Sequence parallelism (Korthikanti et al. 2022, section 4.2.2): the same training as the
+reference, the same boundary bytes as tensor parallelism alone, and less activation memory."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import emulator
+from collectives.reference import all_reduce as ref_all_reduce
+from emulator.model import ModelConfig
+from parallel import tp_cost
+from parallel.sequence import (
+    gather_seq,
+    partial_grad_names,
+    reduce_scatter_seq,
+    scatter_seq,
+    seq_slice,
+)
+from tests.parallel.test_tensor import assert_matches, run
+
+
+@settings(max_examples=5, deadline=None)
+@given(
+    t=st.sampled_from([2, 4]),
+    heads_per_rank=st.integers(1, 2),
+    seq_per_rank=st.integers(1, 2),
+    B=st.integers(1, 2),
+    regather=st.booleans(),
+    moe=st.booleans(),
+)
+def test_sp_training_equals_reference_with_tp_bytes(t, heads_per_rank, seq_per_rank, B, regather, moe):  # fmt: skip
+    A, S = heads_per_rank * t, seq_per_rank * t
+    cfg = ModelConfig(vocab_size=2 * t, max_seq_len=8, d_model=2 * A, n_heads=A, n_layers=2,
+                      d_ff=3 * t, n_experts=3 if moe else 0, moe_top_k=2)  # fmt: skip
+    runs, ref = run(cfg, t, B, S, sp=True, regather=regather)
+    assert_matches(runs, ref, 1e-12)
+    H = cfg.d_model
+    for r in runs:
+        sp = tp_cost.layer_bytes(cfg, B, S, t, sp=True, regather=regather, rank=r.rank)
+        no_sp = tp_cost.layer_bytes(cfg, B, S, t, rank=r.rank)
+        extra = (1 if moe else 2) * (t - 1) * B * S * H * 8 // t if regather else 0
+        assert sp == no_sp + extra  # the boundaries move exactly what the four all-reduces did
+        assert r.layer_bytes == [(sp, sp)] * 2
+        rows = tp_cost.step_bytes(cfg, B, S, t, sp=True, regather=regather, rank=r.rank)
+        assert r.tag_bytes["sp/grads"] == rows["sp/grads"] > 0
+        assert r.total == rows["total"]
+        act = tp_cost.block_activation_bytes(cfg, B, S, t, sp=True, regather=regather)
+        assert r.act_bytes == {f"mb0.blocks.{i}": act for i in range(2)}
+
+
+def test_sp_saves_activation_memory_exactly_by_formula():
+    cfg = ModelConfig(vocab_size=16, max_seq_len=8, d_model=16, n_heads=4, n_layers=1)
+    B, S, t = 2, 8, 4
+    got = {}
+    for sp, rg in ((False, True), (True, True), (True, False)):
+        runs, ref = run(cfg, t, B, S, sp=sp, regather=rg, microbatches=2)
+        assert_matches(runs, ref, 1e-12)
+        got[sp, rg] = runs[0].act_bytes["mb1.blocks.0"]
+    full = tp_cost.block_activation_bytes(cfg, B // 2, S, 1)
+    assert got[True, True] * t == full  # with regather every term is divided by t
+    assert got[False, True] > got[True, False] > got[True, True]
+    assert got[False, True] == tp_cost.block_activation_bytes(cfg, B // 2, S, t)
+
+
+def test_gather_and_reduce_scatter_along_the_sequence():
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(size=(2, 6, 3)) for _ in range(3)]
+
+    def fn(comm):
+        mine = scatter_seq(xs[0], 3, comm.rank)
+        return gather_seq(comm, mine), reduce_scatter_seq(comm, xs[comm.rank])
+
+    total = ref_all_reduce(xs, "sum")[0]
+    for r, (g, rs) in enumerate(emulator.spawn(fn, 3, timeout=30)):
+        assert np.array_equal(g, xs[0])
+        assert np.allclose(rs, total[:, seq_slice(6, 3, r)], rtol=1e-14)
+
+
+def test_partial_gradients_and_bad_sequence_length():
+    names = ["embed.pos", "blocks.0.ln1.gain", "blocks.0.attn.bo", "blocks.0.attn.wo",
+             "blocks.0.mlp.b2", "blocks.0.moe.b2", "blocks.0.moe.router", "final_ln.bias"]  # fmt: skip
+    assert partial_grad_names(names) == [
+        "embed.pos", "blocks.0.ln1.gain", "blocks.0.attn.bo", "blocks.0.mlp.b2", "final_ln.bias"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="S=6 is not divisible by 4"):
+        seq_slice(6, 4, 0)
