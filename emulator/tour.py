@@ -22,6 +22,8 @@ RUNS = [
     ("03_data_parallel.py", 4, ["--stage", "1"]),
     ("03_data_parallel.py", 4, ["--stage", "2"]),
     ("03_data_parallel.py", 4, ["--stage", "3"]),
+    ("03_data_parallel.py", 4, ["--stage", "3", "--dtype", "mixed", "--prefetch"]),
+    ("03_data_parallel.py", 3, ["--stage", "3", "--no-reshard", "--batch", "12"]),
     ("04_tensor_parallel.py", 4, ["--tp", "4"]),
     ("04_tensor_parallel.py", 4, ["--tp", "4", "--sequence-parallel"]),
     ("04_tensor_parallel.py", 4, ["--tp", "2", "--dp", "2"]),
