@@ -75,7 +75,7 @@ class ZeroOptimizer:
             self.params.update(lay.views(self.full[lay.index]))
         self.acc = GradAccumulator(units, self.cdt)
         self.gathered: dict[int, np.ndarray] = {}
-        self.step_count, self.last_grads = 0, {}
+        self.step_count, self.last_grads, self.reduced = 0, {}, set()
         self._account()
 
     # -- memory ledger: the static state of this rank, by category -----------------------------
@@ -108,6 +108,7 @@ class ZeroOptimizer:
         with scope(f"dp/grads/u{i}@{where}" if where else f"dp/grads/u{i}"):
             part = reduce_scatter(self.comm, flat, op="sum")  # (shard,) of the sum over dp
         self.gshard[i][...] = down(up(self.gshard[i]) + up(part), self.cdt)
+        self.reduced.add(i)
         if self.mem is not None and self.stage >= 2:
             self.mem.free("grads", f"u{i}.full")
 
@@ -120,9 +121,12 @@ class ZeroOptimizer:
             raise ValueError(f"ZeroOptimizer.step: incomplete gradients for units "
                              f"{sorted(self.acc.seen)}; every parameter needs a gradient")  # fmt: skip
         for lay in self.layouts if self.stage == 1 else ():
-            if lay.index not in self.acc.flats:
-                raise ValueError(f"ZeroOptimizer.step: no gradients for {lay.names[:3]}...")
-            self._reduce_scatter(lay, "")
+            if lay.index in self.acc.flats:
+                self._reduce_scatter(lay, "")
+        never = [lay.names[0] for lay in self.layouts if lay.index not in self.reduced]
+        if never:
+            raise ValueError(f"ZeroOptimizer.step: no gradients this step for {never[:3]}...")
+        self.reduced = set()
         self.last_grads = {i: g.copy() for i, g in self.gshard.items()}
         sq = 0.0
         for i, g in self.gshard.items():

@@ -145,3 +145,17 @@ def test_hypothesis_any_degree_stage_shape(D, stage, k, n_layers, H, cap):
                          steps=2)  # fmt: skip
     assert_matches(runs[0], ref)
     check_formulas(runs, cfg, stage, k=k)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_step_without_gradients_is_a_clear_error(stage):
+    params = {"w": np.ones((4, 3)), "b": np.zeros(5)}
+
+    def body(comm):
+        opt = ZeroOptimizer(comm, params, stage=stage)
+        with pytest.raises(ValueError, match="no gradients"):
+            opt.step()
+        with pytest.raises(ValueError, match="unknown ZeRO stage"):
+            ZeroOptimizer(comm, params, stage=4)
+
+    emulator.spawn(body, 2, timeout=30)
