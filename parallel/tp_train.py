@@ -15,16 +15,16 @@ import dataclasses
 
 import numpy as np
 
-from collectives.api import all_reduce
 from emulator import Mesh, scope
 from emulator.check import compare, rel_diff
 from emulator.data import split_microbatches
 from emulator.model import block_params, check_inputs, init_params, to_compute
-from emulator.optim import AdamW, clip_coefficient, grad_norm_sq
-from emulator.precision import down, up
+from parallel.dp_common import loss_scales
+from parallel.dp_train import check_layout
 from parallel.sequence import reduce_partial_grads
 from parallel.shard import shard, unshard
 from parallel.tensor import check_tp, megatron_plan, tp_block_backward, tp_block_forward
+from parallel.tp_dp import DataParallelSync
 from parallel.vocab import (
     vocab_embedding_backward,
     vocab_embedding_forward,
@@ -84,58 +84,58 @@ class TPRun:
 
 def tp_train(mesh, cfg, seed, batches, steps, *, sequence_parallel=False, regather=True,
              microbatches=1, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-             max_norm=None, recompute="none", groups_fn=None) -> TPRun:  # fmt: skip
-    """Train on ``mesh["tp"]`` (a Mesh with a "tp" axis, or a Comm: all its ranks are tp).
+             max_norm=None, recompute="none", groups_fn=None, dp_stage=None) -> TPRun:  # fmt: skip
+    """Train on a Mesh with a "tp" axis (and optionally "dp"), or a Comm (all ranks are tp).
 
-    ``batches(step) -> (tokens, targets)``: the step's batch (every tp rank gets the same).
-    Returns full-shape params and grads (gathered uncounted with allgather_object).
+    ``batches(step) -> (tokens, targets)``: the step's global batch; dp rank d takes rows
+    d B/D .. and splits them into ``microbatches`` (its micro-batch j is the reference's
+    micro-batch d k + j when the reference runs with D k micro-batches). ``dp_stage``: "ddp"
+    (default when dp > 1) or "1" (ZeRO-1), parallel/tp_dp.py. Returns full-shape params and
+    grads (gathered uncounted with allgather_object).
     """
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh, tp=mesh.world_size)
     tp, t, sp = mesh["tp"], mesh.size("tp"), sequence_parallel
     check_tp(cfg, t)
     plan = megatron_plan(cfg)
     params = shard(init_params(cfg, seed), plan, tp.rank, t)  # this rank's master shards
-    sharded = [n for n in params if plan[n].sharded]
-    opt = AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    mem, losses, norms, acc = mesh.comm.memory, [], [], None
+    hyper = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+    sync = DataParallelSync(mesh, params, plan, cfg, dp_stage, max_norm=max_norm, **hyper)
+    mem, losses, norms, k = mesh.comm.memory, [], [], microbatches
     for step in range(steps):
         mesh.comm.ledger.step = step
         tokens, targets = check_inputs(
             *(batches(step) if callable(batches) else batches[step]), cfg
         )
         check_tp(cfg, t, tokens.shape[1], sp)
-        mbs = split_microbatches(tokens, targets, microbatches)
-        compute, acc, loss = to_compute(params, cfg), None, 0.0
-        for i, (tk, tg) in enumerate(mbs):
-            grp = groups_fn(step, i, tk.shape[0], tk.shape[1]) if groups_fn else None
+        check_layout("ddp", sync.D, tokens.shape[0], k)
+        mbs = split_microbatches(*sync.shard_batch(tokens, targets), k)
+        b, S = mbs[0][0].shape
+        groups = [groups_fn(step, g, b, S) if groups_fn else None for g in range(sync.D * k)]
+        n_groups = [1 if g is None else len(g) for g in groups]
+        compute, shares = sync.compute_params(to_compute), []
+        for j, (tk, tg) in enumerate(mbs):
+            g_id = sync.rank * k + j  # the reference's micro-batch number
+            ce_denom, aux_scale = loss_scales(tokens.size, n_groups[g_id], sum(n_groups))
             mb_loss, cache = tp_model_forward(
                 tp, compute, tk, tg, cfg, sp=sp, regather=regather, recompute=recompute,
-                groups=grp, ce_denom=tokens.size, aux_scale=1 / microbatches, mem=mem, prefix=f"mb{i}.",
+                groups=groups[g_id], ce_denom=ce_denom, aux_scale=aux_scale, mem=mem,
+                prefix=f"mb{j}.",
             )  # fmt: skip
             act = {n: mem.nbytes("activations", n) for n in mem.live("activations")}
-            g = tp_model_backward(tp, cache, params)
-            acc = g if acc is None else {n: down(up(a) + up(g[n]), a.dtype) for n, a in acc.items()}
-            loss += mb_loss
+            sync.feed(tp_model_backward(tp, cache, params), last=j == k - 1)
+            shares.append(mb_loss)
+        acc = sync.gradients()
         if sp:
-            with scope("sp/grads"):  # LayerNorm & co. saw only S/R positions: sum them
+            with scope("sp/grads"):  # LayerNorm & co. saw only S/R positions: sum them over tp
                 acc = reduce_partial_grads(tp, acc)
-        losses.append(loss)
-        with scope("clip"):
-            local_sq = grad_norm_sq([acc[n] for n in sharded])
-            sq = float(all_reduce(tp, np.array([local_sq]), algorithm="ring")[0])
-            total = float(
-                np.sqrt(sq + grad_norm_sq([a for n, a in acc.items() if n not in sharded]))
-            )
-        norms.append(total)
-        step_grads = acc
-        if max_norm is not None and clip_coefficient(total, max_norm) < 1.0:
-            coef = clip_coefficient(total, max_norm)
-            step_grads = {n: down(up(a) * coef, a.dtype) for n, a in acc.items()}
-        opt.step(params, step_grads)
-    every = tp.allgather_object((params, acc))  # uncounted: the check, not the training
+        losses.append(sync.total_loss(shares))
+        norms.append(sync.step(acc))
+    master, grads = sync.full_state()
+    grads = acc if grads is None else grads
+    every = tp.allgather_object((master, grads))  # uncounted: the check, not the training
     full_p = unshard([e[0] for e in every], plan)
     full_g = unshard([e[1] for e in every], plan)
-    return TPRun(losses, norms, full_g, full_p, acc, act, mem.snapshot())
+    return TPRun(losses, norms, full_g, full_p, grads, act, mem.snapshot())
 
 
 # dL/d(attn.bk) = 0 exactly: q . (k_j + bk) shifts every score of a query row by the same q . bk
