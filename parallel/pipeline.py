@@ -28,6 +28,7 @@ from emulator.model import (
     embed_forward,
     head_backward,
     head_forward,
+    param_shapes,
 )
 from emulator.precision import down, up
 
@@ -66,16 +67,12 @@ def stage_param_names(cfg, split, s: int, p: int) -> list[str]:
     embedding on stage 0 and the final norm and head on the stage holding u = U-1."""
     U = len(split)
     mine = {i for u in range(s, U, p) for i in split[u]}
-    from emulator.model import param_shapes
-
-    names = []
-    for n in param_shapes(cfg):
-        if n.startswith("blocks."):
-            keep = int(n.split(".")[1]) in mine
-        else:
-            keep = (n in EMBED and s == 0) or (n in HEAD and (U - 1) % p == s)
-        names.append(n) if keep else None
-    return names
+    owned = (lambda n: n in EMBED and s == 0, lambda n: n in HEAD and (U - 1) % p == s)
+    return [
+        n
+        for n in param_shapes(cfg)
+        if (n.startswith("blocks.") and int(n.split(".")[1]) in mine) or any(f(n) for f in owned)
+    ]
 
 
 class Links:

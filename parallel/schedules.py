@@ -11,7 +11,7 @@ An action is (kind, j, c):
      `split=True` only the input gradient, on the critical path (Qi et al. 2023, section 2)
   W  the weight gradient of (j, c), split from B; any time after B, before the optimizer step
 Nothing here runs a model: `validate` checks a schedule before the executor touches it, and
-parallel/timeline.py replays it under a cost model.
+parallel/bubble.py replays it under a cost model.
 """
 
 from __future__ import annotations

@@ -125,3 +125,17 @@ def test_bad_input_is_a_clear_error():
         _run(cfg, 2, schedule="interleaved", microbatches=1, chunks=2)
     with pytest.raises(ValueError, match="needs a Mesh with a 'dp' axis"):
         _run(cfg, 2, dp_mode="ddp")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "mixed"])
+@pytest.mark.parametrize("name", ["interleaved", "zb-h1"])
+def test_lower_precision_is_bitwise_too(dtype, name):
+    # bf16 activations cross the boundaries as bf16 (2 bytes); the arithmetic is the reference's
+    cfg = ModelConfig(vocab_size=16, max_seq_len=8, d_model=8, n_heads=2, n_layers=4, dtype=dtype)
+    ref = reference_train(cfg, 0, _batches(cfg), 2, microbatches=4)
+    run = _run(cfg, 2, schedule=name, microbatches=4, chunks=2 if name == "interleaved" else 1)[0]
+    worst, problems = compare_with_reference(run, ref, rtol=0.0)
+    assert not problems and worst == {"loss": 0.0, "grads": 0.0, "params": 0.0}
+    item = 2 if dtype == "mixed" else 4
+    v = run.schedule.v  # stage 0 of 2: every chunk's output goes on, chunk 0's gradient does not
+    assert run.p2p[0]["sent"] == (4 * v + 4 * v - 4) * (2 * S * 8 * item)
