@@ -4,7 +4,8 @@
     y = all_reduce(comm, x, op="sum", algorithm="auto")
 
 Algorithms: ring.py (reduce-scatter, all-gather, all-reduce), tree.py (binomial reduce,
-broadcast, tree all-reduce), alltoall.py (pairwise all-to-all(v), gather, scatter, barrier).
+broadcast, tree all-reduce), double_tree.py (NCCL's double binary tree all-reduce),
+alltoall.py (pairwise all-to-all(v), gather, scatter, barrier).
 cost.py holds every byte formula and the alpha-beta model behind algorithm="auto".
 """
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import alltoall, cost, ring, tree
+from . import alltoall, cost, double_tree, ring, tree
 from .ops import check_dtype, check_op, finalize
 
 
@@ -56,16 +56,17 @@ def _rows(x: np.ndarray, what: str) -> int:
 
 
 def all_reduce(comm, x, op: str = "sum", algorithm: str = "auto") -> np.ndarray:
-    """Every rank gets the elementwise reduction. "auto" = cost.auto_all_reduce (alpha-beta)."""
+    """Every rank gets the elementwise reduction. Algorithms: "ring", "tree" (binomial),
+    "double_tree" (NCCL's two binary trees), "auto" = cost.auto_all_reduce (ring or tree)."""
     x = _array(x, "all_reduce")
     check_op(op, x.dtype, "all_reduce")
-    algo = _choose("all_reduce", algorithm, ("auto", "ring", "tree"))
+    algo = _choose("all_reduce", algorithm, ("auto", "ring", "tree", "double_tree"))
     if algo == "auto":
         algo = cost.auto_all_reduce(x.nbytes, comm.size)
     with comm.collective("all_reduce", algo, x, extra=f"op={op}"):
         if comm.size == 1:
             return x.copy()
-        impl = ring.all_reduce if algo == "ring" else tree.all_reduce
+        impl = {"ring": ring, "tree": tree, "double_tree": double_tree}[algo].all_reduce
         return impl(comm, _flat(x), op).reshape(x.shape)
 
 

@@ -24,6 +24,19 @@ Binomial tree (Thakur et al. 2005 sec. 3; MPICH's MPIR_Bcast_binomial). Relative
   (every 2^k for the root) with v + 2^k < p. Each edge carries the whole array once:
     reduce: sent = S if v > 0 else 0;  received = children(v) * S
     broadcast: the same edges reversed;  tree all-reduce = reduce to 0 + broadcast from 0.
+Double binary tree (Sanders, Speck & Traff 2009, "Two-tree algorithms for full bandwidth
+  broadcast, reduction and scan", sec. 2; NCCL 2.4's trees, src/graph/trees.cc). Tree 0 is NCCL's
+  in-order binary tree on the ranks (`btree_links`), tree 1 its mirror r -> p-1-r (p even) or its
+  shift r -> r+1 (p odd): the leaves of tree 0 are the odd ranks, those of tree 1 the even ones
+  (the even ranks but 0 when p is odd), so no rank is a leaf in both. Half t of the flat array
+  (np.array_split in 2: n_0 = ceil(n/2), n_1 = floor(n/2) elements) is reduced up tree t and
+  broadcast down it. Per tree a non-root sends its half once up (reduce) and receives it once
+  down (broadcast); it receives one half from each child going up and sends one to each child
+  going down. With deg_t(r) = [r has a parent in t] + children of r in t, sends equal receives:
+        sent = received = (deg_0(r) n_0 + deg_1(r) n_1) w
+  A rank has deg <= 3 in one tree and deg 1 in the other (a leaf there; rank 0 of an odd p is
+  tree 0's root with one child instead), so it moves at most 3 n_0 + n_1 <= 2n + 1 elements
+  each way, about 2S, where the binomial root moves L S: the double tree balances the load.
 Pairwise all-to-all (Thakur et al. 2005 sec. 5): at step i = 1..p-1 rank r sends block r+i and
   receives block r-i: every block but its own goes out once and one comes in from each peer.
 Linear gather / scatter: the root receives (sends) every other rank's block directly.
@@ -33,9 +46,10 @@ Dissemination barrier (Hensgen, Finkel & Manber 1988): ceil(log2 p) rounds; in r
 Alpha-beta (Hockney) time: a step costs alpha + bytes / B; the time is the critical path.
   ring all-reduce  T = 2(p-1) alpha + 2(p-1)/p S/B     (RS or AG alone: half of each term)
   tree all-reduce  T = 2 L (alpha + S/B),  L = ceil(log2 p)
+  double tree      T = 2 L (2 alpha + S/B)  (unpipelined; see double_tree_all_reduce_time)
 The ring's latency term grows with p, its bandwidth term does not; the tree's is the reverse.
 Setting the ring's two terms equal gives the crossover S* = p alpha B below which a ring
-all-reduce is latency-bound. `auto_all_reduce` picks whichever model time is smaller.
+all-reduce is latency-bound. `auto_all_reduce` picks whichever of ring and tree is faster.
 """
 
 from __future__ import annotations
@@ -105,10 +119,62 @@ def tree_all_reduce(n: int, p: int, itemsize: int, rank: int) -> tuple[int, int]
     return s1 + s2, r1 + r2
 
 
+# -- double binary tree -----------------------------------------------------------------------
+def btree_links(m: int, p: int) -> tuple:
+    """(parent, left, right) of m in NCCL's in-order binary tree on 0..p-1; None if absent.
+
+    Rank 0 is the root with one child, the largest power of two below p. Below it, m's lowest set
+    bit b gives its height: children m - b/2 and m + b/2 (m + b/4, m + b/8, ... if m + b/2 >= p;
+    none if even m + 1 >= p), parent whichever of m - b, m + b has lowest set bit 2b (m - b if
+    m + b >= p). Odd m are the leaves. In order: left subtree < m < right subtree, so the tree
+    read left to right is 0, 1, ..., p-1 (ncclGetBtree, NCCL src/graph/trees.cc).
+    """
+    if m == 0:
+        return None, None, (1 << (p - 1).bit_length() - 1 if p > 1 else None)
+    b = m & -m
+    up = (m ^ b) | (b << 1)  # m with bit b moved up to 2b
+    parent = up if up < p else m ^ b
+    half = b >> 1
+    if half == 0:
+        return parent, None, None
+    k = half
+    while k and m + k >= p:  # the right subtree is cut off by p: take the largest that fits
+        k >>= 1
+    return parent, m - half, (m + k if k else None)
+
+
+def double_tree_links(rank: int, p: int, tree: int) -> tuple:
+    """(parent, left, right) of `rank` in tree 0 or 1 of the double binary tree; None if absent.
+
+    Tree 1 is tree 0 on relabelled ranks: mirrored m = p-1-r when p is even, shifted m = r-1
+    when p is odd (ncclGetDtree). "left" is the child whose subtree comes first in tree order.
+    """
+    if tree == 0:
+        m, back = rank, (lambda v: v)
+    elif p % 2 == 0:
+        m, back = p - 1 - rank, (lambda v: p - 1 - v)
+    else:
+        m, back = (rank - 1) % p, (lambda v: (v + 1) % p)
+    return tuple(None if v is None else back(v) for v in btree_links(m, p))
+
+
+def double_tree_all_reduce(n: int, p: int, itemsize: int, rank: int) -> tuple[int, int]:
+    halves = (n - n // 2, n // 2)  # np.array_split(x, 2)
+    moved = 0
+    for t, h in enumerate(halves):
+        degree = sum(v is not None for v in double_tree_links(rank, p, t))
+        moved += degree * h * itemsize
+    return moved, moved
+
+
 def all_reduce(n: int, p: int, itemsize: int, rank: int, algorithm: str) -> tuple[int, int]:
     if algorithm == "auto":
         algorithm = auto_all_reduce(n * itemsize, p)
-    f = {"ring": ring_all_reduce, "tree": tree_all_reduce}[algorithm]
+    f = {
+        "ring": ring_all_reduce,
+        "tree": tree_all_reduce,
+        "double_tree": double_tree_all_reduce,
+    }[algorithm]
     return f(n, p, itemsize, rank)
 
 
@@ -155,6 +221,21 @@ def tree_all_reduce_time(nbytes: int, p: int, alpha=ALPHA, bandwidth=BANDWIDTH) 
     return 2 * (p - 1).bit_length() * (alpha + nbytes / bandwidth)
 
 
+def double_tree_all_reduce_time(nbytes: int, p: int, alpha=ALPHA, bandwidth=BANDWIDTH) -> float:
+    """Unpipelined double tree: both trees run at once, each of depth L = ceil(log2 p).
+
+    One-port model (as the binomial tree's: a rank receives one message at a time, and sends one
+    at a time). Going up, each level is an interior rank receiving S/2 from each of its two
+    children: 2 alpha + S/B; going down, it sends S/2 to each: the same. Its leaf half in the
+    other tree leaves first and arrives last, on the other direction of its link, so the trees do
+    not wait for each other. Hence T = 2 L (2 alpha + S/B): the binomial tree's bandwidth term and
+    twice its latency term - an upper bound (the root's one child makes the top level cheaper).
+    NCCL pipelines chunks of each half through the tree, so every level works at once and the
+    bandwidth term falls towards the ring's 2 S/B; we send each half whole (double_tree.py).
+    """
+    return 2 * (p - 1).bit_length() * (2 * alpha + nbytes / bandwidth)
+
+
 def ring_crossover(p: int, alpha=ALPHA, bandwidth=BANDWIDTH) -> float:
     """S* = p alpha B: below it the ring's latency term dominates its bandwidth term."""
     return p * alpha * bandwidth
@@ -165,6 +246,9 @@ def auto_all_reduce(nbytes: int, p: int, alpha=ALPHA, bandwidth=BANDWIDTH) -> st
 
     Solving T_tree < T_ring for S gives S < (p-1-L) alpha B / (L - (p-1)/p), L = ceil(log2 p):
     about 100 KB at p=4, 235 KB at p=8, 450 KB at p=16, 4.4 MB at p=256 with the defaults.
+    The double tree is not a candidate: unpipelined, its model time 2L(2 alpha + S/B) is never
+    below the binomial tree's 2L(alpha + S/B). What it buys is balance - every rank moves at most
+    2S each way instead of the binomial root's L S - which this time model does not price.
     """
     tree = tree_all_reduce_time(nbytes, p, alpha, bandwidth)
     return "tree" if tree < ring_all_reduce_time(nbytes, p, alpha, bandwidth) else "ring"

@@ -3,9 +3,8 @@
 Thakur, Rabenseifner & Gropp 2005, sec. 3 (MPICH's binomial broadcast / reduce). Relative rank
 v = (r - root) mod p; parent(v) = v - lowbit(v); children v + 2^k for 2^k < lowbit(v). Depth
 L = ceil(log2 p), so a small message needs 2L steps instead of the ring's 2(p-1).
-We chose the binomial tree over NCCL's double binary tree (Sanders, Speck & Traff 2009; NCCL
-2.4) for clarity: the double tree splits the message in two halves over two complementary
-trees to use both links of every rank; the binomial tree sends the whole array on each edge.
+The binomial tree sends the whole array on each edge, and its root moves L S each way;
+double_tree.py (NCCL's double binary tree) splits it in halves over two complementary trees.
 
 Reduction order (deterministic): v's partial = x[v] (op) partial(v+1) (op) partial(v+2) (op)
 partial(v+4) ... (children nearest first). Byte counts: collectives/cost.py.

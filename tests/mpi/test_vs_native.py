@@ -39,7 +39,7 @@ def close(a, b, dtype) -> bool:
 
 
 @pytest.mark.parametrize("dtype,n", CASES)
-@pytest.mark.parametrize("algo", ["ring", "tree"])
+@pytest.mark.parametrize("algo", ["ring", "tree", "double_tree"])
 @pytest.mark.parametrize("op", ["sum", "max"])
 def test_all_reduce(comm, MPI, dtype, n, algo, op):
     p, r = comm.size, comm.rank
@@ -122,11 +122,12 @@ def test_all_to_allv(comm, MPI):
     assert (sent, recv) == cost.pairwise_all_to_allv(sc, rc, 4, r, exchange=True)
 
 
-def test_ledger_matches_formula_under_mpi(comm):
+@pytest.mark.parametrize("algo", ["ring", "tree", "double_tree"])
+def test_ledger_matches_formula_under_mpi(comm, algo):
     p, r = comm.size, comm.rank
     x = np.ones(1001, np.float32)
     mark = comm.ledger.mark()
-    C.all_reduce(comm, x, algorithm="ring")
+    C.all_reduce(comm, x, algorithm=algo)
     rec = comm.ledger.since(mark)
     got = (comm.ledger.sent(rec), comm.ledger.received(rec))
-    assert got == cost.ring_all_reduce(1001, p, 4, r)
+    assert got == cost.all_reduce(1001, p, 4, r, algo)
