@@ -1,6 +1,6 @@
 """The closed forms a data-parallel run is checked against: bytes per step, static memory per
-rank and peak gathered memory (ZeRO paper, Rajbhandari et al. 2020, sections 3.1 and 7), and a
-comparison with the reference that knows which gradients are pure rounding noise.
+rank and peak gathered memory (ZeRO paper, Rajbhandari et al. 2020, sections 3.1 and 7).
+(Comparing a run with the reference: emulator.check.compare / compare_run.)
 
 Letters: D dp degree; Psi real parameters; Psi_pad = sum of the flat buffers' padded sizes
 (each a multiple of D, so every ring chunk is Psi_pad/D of a buffer and the formulas are exact
@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
-
-from emulator.check import compare
 from emulator.precision import compute_dtype, master_dtype
 
 PAPER = {"ddp": "16 Psi", "1": "4 Psi + 12 Psi/D", "2": "2 Psi + 14 Psi/D", "3": "16 Psi/D"}
@@ -84,28 +81,3 @@ def peak_fsdp(layouts, n_layers: int, dtype, reshard_after_forward=True, prefetc
         "params": static["params"] + (root + live) * c,
         "grads": static["grads"] + (root + max(blocks)) * c,
     }
-
-
-def compare_model(got: dict, want: dict, rtol: float, what="param", noise=1e-6):
-    """emulator.check.compare, except for tensors whose reference values are all below
-    `noise` x the model's largest value: those are checked against rtol x that largest value.
-
-    Why: attn.bk's exact gradient is 0 (adding k . bk shifts all of a query's scores equally,
-    and softmax ignores that), so its computed gradient is rounding noise ~1e-21 whose value
-    depends on the order of summation; AdamW then turns it into parameters of the same size.
-    A per-tensor relative test on noise would fail any change of summation order.
-    """
-    top = max(float(np.max(np.abs(np.asarray(w, np.float64)))) for w in want.values())
-    tiny = {n for n, w in want.items() if np.max(np.abs(np.asarray(w, np.float64))) < noise * top}
-    worst, problems = compare(
-        {n: a for n, a in got.items() if n not in tiny},
-        {n: a for n, a in want.items() if n not in tiny}, rtol, what,
-    )  # fmt: skip
-    for n in sorted(tiny):
-        err = float(
-            np.max(np.abs(np.asarray(got[n], np.float64) - np.asarray(want[n], np.float64)))
-        )
-        worst = max(worst, err / top)
-        if not err <= rtol * top:
-            problems.append(f"{what} {n} (noise-level): |diff| {err:.3e} > {rtol:.1e} x {top:.3e}")
-    return worst, problems

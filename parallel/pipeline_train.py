@@ -148,31 +148,3 @@ def _clip_and_step(opt, master, grads, max_norm, pp):
 def _sum_over(comm, grads):
     parts = comm.allgather_object(grads)
     return {n: sum(p[n] for p in parts[1:]) + parts[0][n] for n in grads}
-
-
-def compare_with_reference(run, ref, rtol=1e-12):
-    """(worst relative difference of losses, grads and params, problems) against a
-    ReferenceRun. Every tensor is compared relative to its own max |want|, except the key
-    biases attn.bk: their gradient is exactly zero in exact arithmetic (softmax ignores a
-    constant added to all of a query's scores), so gradient and Adam update are rounding noise
-    that any reordering of a sum (the clip norm all-reduced over stages, the dp sum) changes;
-    they are compared relative to the model's largest |want| instead."""
-    worst, problems = {}, []
-    losses, want_l = np.asarray(run.losses, np.float64), np.asarray(ref.losses, np.float64)
-    worst["loss"] = float(np.abs(losses - want_l).max() / np.abs(want_l).max())
-    if not worst["loss"] <= rtol:
-        problems.append(f"losses differ by {worst['loss']:.2e}: {run.losses} vs {ref.losses}")
-    for what in ("grads", "params"):
-        got, want = getattr(run, what), getattr(ref, what)
-        if set(got) != set(want):
-            problems.append(f"{what}: names differ: {sorted(set(got) ^ set(want))[:5]}")
-            continue
-        amax = {n: float(np.abs(up(w)).max()) for n, w in want.items()}
-        big, worst[what] = max(amax.values()), 0.0
-        for n, w in want.items():
-            err = float(np.abs(up(got[n]).astype(np.float64) - up(w)).max())
-            rel = err / ((big if n.endswith("attn.bk") else amax[n]) or 1.0)
-            worst[what] = max(worst[what], rel)
-            if not rel <= rtol:
-                problems.append(f"{what} {n}: max rel diff {rel:.2e} > {rtol:.0e}")
-    return worst, problems

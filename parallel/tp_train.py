@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from emulator import Mesh, scope
-from emulator.check import compare, rel_diff
 from emulator.data import split_microbatches
 from emulator.model import block_params, check_inputs, init_params, to_compute
 from parallel.dp_common import loss_scales
@@ -136,39 +133,3 @@ def tp_train(mesh, cfg, seed, batches, steps, *, sequence_parallel=False, regath
     full_p = unshard([e[0] for e in every], plan)
     full_g = unshard([e[1] for e in every], plan)
     return TPRun(losses, norms, full_g, full_p, grads, act, mem.snapshot())
-
-
-# dL/d(attn.bk) = 0 exactly: q . (k_j + bk) shifts every score of a query row by the same q . bk
-# and softmax ignores it. The reference's "gradient" is rounding noise (~1e-20), so this one
-# tensor is compared on the scale of the whole model (absolute / max over all tensors).
-NULL_GRADIENT = ("attn.bk",)
-
-
-def compare_with_reference(run, ref, rtol: float, param_atol: float | None = None):
-    """-> (worst relative difference of losses, grads, params; a message per failure).
-
-    ``param_atol`` (lower precision): compare parameters by max |diff| <= param_atol instead.
-    Rounding flips the sign of near-zero gradient entries and Adam turns any sign into a step
-    of about lr, so two correct bf16 runs differ by up to ~2 lr per step in such entries.
-    """
-    worst, problems = {}, []
-    d = rel_diff(run.losses, ref.losses)
-    worst["loss"] = d
-    if not d <= rtol:
-        problems.append(f"losses differ by {d:.3e} > {rtol:.1e}: {run.losses} vs {ref.losses}")
-    for what, got, want in (("grad", run.grads, ref.grads), ("param", run.params, ref.params)):
-        f64 = {n: np.asarray(a, np.float64) for n, a in want.items()}
-        err = {n: float(np.max(np.abs(np.asarray(got[n], np.float64) - a))) for n, a in f64.items()}
-        scale = max(float(np.max(np.abs(a))) for a in f64.values())
-        normal = {n: a for n, a in want.items() if not n.endswith(NULL_GRADIENT)}
-        if what == "param" and param_atol is not None:
-            worst[what] = max(err.values())
-            problems += [f"param {n}: |diff| {e:.3e} > {param_atol:.1e}" for n, e in err.items()
-                         if not e <= param_atol]  # fmt: skip
-            continue
-        worst[what], probs = compare({n: got[n] for n in normal}, normal, rtol, what)
-        problems += probs
-        for n in set(want) - set(normal):
-            if not err[n] <= rtol * scale:
-                problems.append(f"{what} {n}: |diff| {err[n]:.3e} > {rtol:.1e} x scale {scale:.3e}")
-    return worst, problems

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import emulator
+from emulator.check import compare
 from emulator.data import synthetic_batch
 from emulator.model import ModelConfig
 from emulator.reference import reference_train
-from parallel.dp_check import compare_model
 from parallel.dp_train import train_data_parallel
 
 F64 = 1e-12  # float64: summation order differs (ring vs sequential), so ~1e-16 per add
@@ -39,7 +39,7 @@ def assert_matches(run, ref, rtol=F64):
         (run.opt_state["m"], ref.opt_state["m"], "adam m"),
         (run.opt_state["v"], ref.opt_state["v"], "adam v"),
     ):
-        _, problems = compare_model(got, want, rtol, what)
+        _, problems = compare(got, want, rtol, what)
         assert not problems, "\n".join(problems)
     for a, b in zip(run.losses, ref.losses, strict=True):
         assert abs(a - b) <= rtol * abs(b), (run.losses, ref.losses)

@@ -7,13 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import emulator
+from emulator.check import compare_run
 from emulator.data import synthetic_batch
 from emulator.flops import activation_bytes_per_block, head_activation_bytes
 from emulator.model import ModelConfig
 from emulator.reference import reference_train
 from parallel.bubble import in_flight_formula
 from parallel.pipeline import split_layers
-from parallel.pipeline_train import compare_with_reference, pipeline_train
+from parallel.pipeline_train import pipeline_train
 
 S = 6
 
@@ -55,11 +56,11 @@ def test_every_schedule_trains_like_the_reference(name, p, k, experts, clip, dat
     ref = reference_train(cfg, 0, _batches(cfg, 2 * m), 2, microbatches=m, max_norm=clip)
     runs = _run(cfg, p, B=2 * m, schedule=name, microbatches=m, chunks=v, sizes=sizes,
                 max_norm=clip)  # fmt: skip
-    worst, problems = compare_with_reference(runs[0], ref, rtol=1e-12)
+    worst, problems = compare_run(runs[0], ref, rtol=1e-12)
     assert not problems, problems
     if clip is None:  # same arithmetic in the same order: bitwise (the reported loss adds
         # the stages' MoE aux shares in another order: a last-bit difference at most)
-        assert worst["grads"] == worst["params"] == 0.0 and worst["loss"] < 1e-15
+        assert worst["grad"] == worst["param"] == 0.0 and worst["loss"] < 1e-15
     assert [r.losses for r in runs] == [runs[0].losses] * p
 
 
@@ -107,9 +108,9 @@ def test_dp_x_pp_mesh(mode, name):
     runs = _run(cfg, 4, mesh={"dp": 2, "pp": 2}, schedule=name, microbatches=2, dp_mode=mode,
                 max_norm=0.5)  # fmt: skip
     for r in runs:
-        worst, problems = compare_with_reference(r, ref, rtol=1e-12)
+        worst, problems = compare_run(r, ref, rtol=1e-12)
         assert not problems, problems
-        assert worst["grads"] < 1e-14  # the dp sum adds in another order: not bitwise
+        assert worst["grad"] < 1e-14  # the dp sum adds in another order: not bitwise
 
 
 def test_bad_input_is_a_clear_error():
@@ -134,8 +135,8 @@ def test_lower_precision_is_bitwise_too(dtype, name):
     cfg = ModelConfig(vocab_size=16, max_seq_len=8, d_model=8, n_heads=2, n_layers=4, dtype=dtype)
     ref = reference_train(cfg, 0, _batches(cfg), 2, microbatches=4)
     run = _run(cfg, 2, schedule=name, microbatches=4, chunks=2 if name == "interleaved" else 1)[0]
-    worst, problems = compare_with_reference(run, ref, rtol=0.0)
-    assert not problems and worst == {"loss": 0.0, "grads": 0.0, "params": 0.0}
+    worst, problems = compare_run(run, ref, rtol=0.0)
+    assert not problems and worst == {"loss": 0.0, "grad": 0.0, "param": 0.0}
     item = 2 if dtype == "mixed" else 4
     v = run.schedule.v  # stage 0 of 2: every chunk's output goes on, chunk 0's gradient does not
     assert run.p2p[0]["sent"] == (4 * v + 4 * v - 4) * (2 * S * 8 * item)

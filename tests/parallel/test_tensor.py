@@ -7,12 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import emulator
+from emulator.check import compare_run
 from emulator.data import synthetic_batch
 from emulator.model import ModelConfig
 from emulator.reference import reference_train
 from parallel import tp_cost
 from parallel.tensor import check_tp, f_backward, f_forward, g_backward, g_forward
-from parallel.tp_train import compare_with_reference, tp_train
+from parallel.tp_train import tp_train
 
 STEPS = 3
 
@@ -40,7 +41,7 @@ def run(cfg, t, B, S, *, sp=False, regather=True, microbatches=1, max_norm=None,
 
 
 def assert_matches(runs, ref, rtol):
-    worst, problems = compare_with_reference(runs[0], ref, rtol)
+    worst, problems = compare_run(runs[0], ref, rtol)
     assert not problems, "\n".join(problems)
     return worst
 
@@ -114,7 +115,7 @@ def test_lower_precision_within_tolerance(dtype, rtol):
     cfg = ModelConfig(vocab_size=8, max_seq_len=8, d_model=8, n_heads=2, n_layers=2, dtype=dtype)
     runs, ref = run(cfg, 2, 2, 4)
     assert np.allclose(runs[0].losses, ref.losses, rtol=rtol / 10 if dtype == "float32" else 1e-2)
-    _, problems = compare_with_reference(runs[0], ref, rtol, param_atol=2e-3 * STEPS)
+    _, problems = compare_run(runs[0], ref, rtol, param_atol=2e-3 * STEPS)
     assert not problems, "\n".join(problems)
 
 

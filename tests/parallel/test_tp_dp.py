@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import emulator
+from emulator.check import compare_run
 from emulator.data import synthetic_batch
 from emulator.model import ModelConfig
 from emulator.reference import reference_train
@@ -13,7 +14,7 @@ from parallel.dp_check import step_bytes
 from parallel.flat import make_buckets
 from parallel.shard import local_shape
 from parallel.tensor import megatron_plan
-from parallel.tp_train import compare_with_reference, tp_train
+from parallel.tp_train import tp_train
 
 
 @pytest.mark.parametrize(
@@ -42,7 +43,7 @@ def test_dp_x_tp_equals_reference(stage, sp, moe):
     runs = emulator.spawn(fn, D * T, timeout=30)
     plan = megatron_plan(cfg)
     for r in runs:
-        _, problems = compare_with_reference(r, ref, 1e-12)
+        _, problems = compare_run(r, ref, 1e-12)
         assert not problems, "\n".join(problems)
         assert np.allclose(r.grad_norms, ref.grad_norms, rtol=1e-12, atol=0)
         # dp traffic is DDP's / ZeRO-1's formula on this rank's TP shard; tp traffic is unchanged

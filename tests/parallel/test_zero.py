@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import emulator
+from emulator.check import compare
 from emulator.model import n_params
 from emulator.optim import AdamW
-from parallel.dp_check import compare_model, peak_fsdp, static_memory, step_bytes
+from parallel.dp_check import peak_fsdp, static_memory, step_bytes
 from parallel.zero import ZeroOptimizer
 
 from .dp_helpers import assert_matches, run_both, tiny
@@ -76,7 +77,7 @@ def test_mixed_precision_within_stated_tolerance(stage):
     cfg, lr, steps = tiny("mixed"), 1e-3, 3
     runs, ref = run_both(cfg, 4, stage=stage, microbatches=2, steps=steps)
     run = runs[0]
-    _, problems = compare_model(run.grads, ref.grads, 0.1, "grad", noise=1e-2)
+    _, problems = compare(run.grads, ref.grads, 0.1, "grad", noise_floor=1e-2)
     assert not problems, problems
     worst = max(float(np.max(np.abs(run.params[n] - ref.params[n]))) for n in ref.params)
     assert worst <= 2 * lr * steps
