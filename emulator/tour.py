@@ -1,8 +1,10 @@
 """`python -m emulator tour`: run every example on virtual ranks and print one verdict per run.
 
 Each example checks itself (against the single-rank reference, NumPy's definition or a formula)
-and prints a last line starting with "VERDICT:"; it exits non-zero when a check fails. The tour
-runs each in its own process, so one failure cannot hide another, and exits non-zero if any did.
+and ends with "VERDICT: PASS - <what was checked>" or "VERDICT: FAIL - <what failed>"
+(emulator.check.verdict), exiting non-zero when a check fails. A run passes when it exits 0 and
+its last verdict says PASS. The tour runs each in its own process, so one failure cannot hide
+another, and exits non-zero if any did.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def tour(only: str | None = None) -> int:
         dt = time.perf_counter() - t0
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VERDICT:")]
         verdict = lines[-1][len("VERDICT:") :].strip() if lines else "(no verdict line printed)"
-        ok = proc.returncode == 0 and bool(lines)
+        ok = proc.returncode == 0 and verdict.startswith("PASS - ")
+        verdict = verdict.removeprefix("PASS - ")  # the PASS/FAIL column says it
         failed += not ok
         label = " ".join([script, f"-n {n}", *args])
         print(f"{'PASS' if ok else 'FAIL'}  {label:<60} {dt:6.1f} s  {verdict}")

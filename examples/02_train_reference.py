@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 
+from emulator.check import verdict
 from emulator.data import synthetic_batch
 from emulator.flops import (
     activation_bytes_per_block,
@@ -83,13 +84,12 @@ def main(argv=None) -> int:
         "model FLOPs == 6N + 12LSH per token",
     )
 
-    ok = not failures
     summary = (
-        f"loss {run.losses[0]:.3f} -> {run.losses[-1]:.4f} in {STEPS} steps; bytes/param, "
-        f"activation bytes and FLOPs equal their formulas"
+        f"loss {run.losses[0]:.3f} -> {run.losses[-1]:.4f} in {STEPS} steps; bytes/param "
+        f"(params + grads + optimizer, 3 precisions), activation bytes and FLOPs == formulas"
     )
-    print(f"\nVERDICT: {'PASS - ' + summary if ok else 'FAIL: ' + '; '.join(failures)}")
-    return 0 if ok else 1
+    print("\n" + verdict(failures, summary))
+    return 0 if not failures else 1
 
 
 if __name__ == "__main__":
