@@ -1,11 +1,17 @@
 """Benchmark of our collectives, nccl-tests style: size, time, algbw, busbw (a benchmark, not a test).
 
     python -m emulator.bench_collectives                 # virtual ranks (threads in one process)
-    mpiexec -n 4 python -m emulator.bench_collectives    # MPI: beside mpi4py's native Allreduce
+    mpiexec -n 4 python -m emulator.bench_collectives    # MPI: beside mpi4py's native collectives
+    ... --algorithm double_tree --ops all_reduce         # one all-reduce algorithm, one op
 
-algbw = S / t; busbw = algbw * 2(p-1)/p for all-reduce (nccl-tests' PERFORMANCE.md), so busbw
-is comparable with one link's bandwidth whatever p is. Times are the median over iterations of
-the slowest rank, each iteration starting after a barrier.
+Rows: all-reduce (with --algorithm), ring reduce-scatter and ring all-gather; under MPI beside
+Allreduce, Reduce_scatter_block and Allgather. S, the size column, is the whole array as in
+nccl-tests: the all-reduce's input, the reduce-scatter's input (each rank keeps S/p), the
+all-gather's output (each rank gives S/p); S is rounded down to a multiple of 4p bytes.
+algbw = S / t; busbw = algbw * 2(p-1)/p for all-reduce and algbw * (p-1)/p for reduce-scatter
+and all-gather (nccl-tests' PERFORMANCE.md), so busbw is comparable with one link's bandwidth
+whatever p is. Times are the median over iterations of the slowest rank, each iteration
+starting after a barrier.
 Virtual ranks: a 64 MiB float32 all-reduce over 8 ranks against the same work done by NumPy in
 one thread (sum of the 8 buffers + 8 copies of the result), then 256 ranks on a small buffer.
 """
@@ -19,6 +25,7 @@ import time
 import numpy as np
 
 MiB = 1 << 20
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
 def _sizes(lo: int, hi: int) -> list[int]:
@@ -34,25 +41,55 @@ def _iters(nbytes: int, budget: int) -> int:
 
 
 def _fmt_size(b: int) -> str:
-    return f"{b // MiB} MiB" if b >= MiB else f"{b // 1024} KiB"
+    if b % 1024:
+        return f"{b} B"
+    return f"{b // MiB} MiB" if b % MiB == 0 else f"{b // 1024} KiB"
 
 
-def _row(nbytes, t, p):
+def _row(op, nbytes, t, p):
     from collectives.cost import bus_factor
 
     alg = nbytes / t / 1e9
     return [
+        op,
         _fmt_size(nbytes),
         f"{t * 1e6:.1f}",
         f"{alg:.2f}",
-        f"{alg * bus_factor('all_reduce', p):.2f}",
+        f"{alg * bus_factor(op, p):.2f}",
     ]
+
+
+def _elements(nbytes: int, p: int) -> int:
+    """float32 elements of S, a multiple of p (Reduce_scatter_block needs equal blocks)."""
+    return nbytes // 4 // p * p
+
+
+def _input(op: str, n: int, p: int, rank: int) -> np.ndarray:
+    """Rank's float32 input: the whole array (all-reduce, reduce-scatter) or its 1/p block."""
+    k = n // p if op == "all_gather" else n
+    return np.random.default_rng(rank).standard_normal(k).astype(np.float32)
+
+
+def _ours(op: str, algorithm: str):
+    """fn(comm, x) running our collective `op` (all-reduce with `algorithm`)."""
+    import collectives as C
+
+    if op == "all_reduce":
+        return lambda comm, x: C.all_reduce(comm, x, algorithm=algorithm)
+    return {"reduce_scatter": C.reduce_scatter, "all_gather": C.all_gather}[op]
+
+
+def _ops(args) -> list[str]:
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    bad = [o for o in ops if o not in OPS]
+    if bad or not ops:
+        raise SystemExit(f"bench collectives: --ops {args.ops!r}: choose from {', '.join(OPS)}")
+    return ops
 
 
 def bench_mpi(args) -> int:
     from mpi4py import MPI
 
-    import collectives as C
     from emulator.ledger import format_table
     from emulator.mpi import world_comm
 
@@ -68,19 +105,32 @@ def bench_mpi(args) -> int:
             ts.append(world.allreduce(time.perf_counter() - t0, op=MPI.MAX))
         return float(np.median(ts))
 
-    for nbytes in _sizes(args.min, args.max):
-        x = np.random.default_rng(comm.rank).standard_normal(nbytes // 4).astype(np.float32)
-        out = np.empty_like(x)
-        it = _iters(nbytes, args.budget)
-        C.all_reduce(comm, x, algorithm=args.algorithm)  # warm-up
-        ours = timed(lambda x=x: C.all_reduce(comm, x, algorithm=args.algorithm), it)
-        native = timed(lambda x=x, out=out: world.Allreduce(x, out, op=MPI.SUM), it)
-        rows.append(_row(nbytes, ours, p) + _row(nbytes, native, p)[1:] + [f"{ours / native:.2f}x"])
+    def native(op, x, out):
+        if op == "all_reduce":
+            return lambda: world.Allreduce(x, out, op=MPI.SUM)
+        if op == "reduce_scatter":
+            return lambda: world.Reduce_scatter_block(x, out, op=MPI.SUM)
+        return lambda: world.Allgather(x, out)
+
+    for op in _ops(args):
+        ours_fn = _ours(op, args.algorithm)
+        for nbytes in _sizes(args.min, args.max):
+            n = _elements(nbytes, p)
+            x = _input(op, n, p, comm.rank)
+            out = np.empty(n // p if op == "reduce_scatter" else n, np.float32)
+            it = _iters(nbytes, args.budget)
+            ours_fn(comm, x)  # warm-up
+            ours = timed(lambda f=ours_fn, x=x: f(comm, x), it)
+            theirs = timed(native(op, x, out), it)
+            row = _row(op, 4 * n, ours, p) + _row(op, 4 * n, theirs, p)[2:]
+            rows.append(row + [f"{ours / theirs:.2f}x"])
     if comm.rank == 0:
         print(
-            f"all_reduce float32, algorithm={args.algorithm!r}, {p} MPI ranks (ours vs MPI_Allreduce)"
+            f"float32, all_reduce algorithm={args.algorithm!r}, {p} MPI ranks (ours vs mpi4py's "
+            "Allreduce / Reduce_scatter_block / Allgather)"
         )
         head = [
+            "op",
             "size",
             "time us",
             "algbw GB/s",
@@ -102,24 +152,27 @@ def bench_virtual(args) -> int:
 
     p, rows = args.ranks, []
 
-    def job(comm, x_all, iters):
+    def job(comm, fn, x_all, iters):
         ts = []
         for _ in range(iters):
             comm.barrier()  # uncounted control plane
             t0 = time.perf_counter()
-            C.all_reduce(comm, x_all[comm.rank], algorithm=args.algorithm)
+            fn(comm, x_all[comm.rank])
             ts.append(max(comm.allgather_object(time.perf_counter() - t0)))
         return float(np.median(ts))
 
-    for nbytes in _sizes(args.min, args.max):
-        xs = [
-            np.random.default_rng(r).standard_normal(nbytes // 4).astype(np.float32)
-            for r in range(p)
-        ]
-        t = emulator.spawn(job, p, xs, _iters(nbytes, args.budget), timeout=120)[0]
-        rows.append(_row(nbytes, t, p))
-    print(f"all_reduce float32, algorithm={args.algorithm!r}, {p} virtual ranks")
-    print(format_table(["size", "time us", "algbw GB/s", "busbw GB/s"], rows))
+    ops = _ops(args)
+    for op in ops:
+        for nbytes in _sizes(args.min, args.max):
+            n = _elements(nbytes, p)
+            xs = [_input(op, n, p, r) for r in range(p)]
+            it = _iters(nbytes, args.budget)
+            t = emulator.spawn(job, p, _ours(op, args.algorithm), xs, it, timeout=120)[0]
+            rows.append(_row(op, 4 * n, t, p))
+    print(f"float32, all_reduce algorithm={args.algorithm!r}, {p} virtual ranks")
+    print(format_table(["op", "size", "time us", "algbw GB/s", "busbw GB/s"], rows))
+    if "all_reduce" not in ops:
+        return 0
 
     xs = [
         np.random.default_rng(r).standard_normal(args.max // 4).astype(np.float32) for r in range(p)
@@ -133,7 +186,7 @@ def bench_virtual(args) -> int:
         _ = [acc.copy() for _ in range(p)]
         ts.append(time.perf_counter() - t0)
     base = float(np.median(ts))
-    ours = emulator.spawn(job, p, xs, 3, timeout=120)[0]
+    ours = emulator.spawn(job, p, _ours("all_reduce", args.algorithm), xs, 3, timeout=120)[0]
     print(
         f"\n{_fmt_size(args.max)} over {p} virtual ranks: all_reduce {ours * 1e3:.1f} ms vs NumPy "
         f"sum of {p} buffers + {p} copies {base * 1e3:.1f} ms: ratio {ours / base:.2f}x (goal <= 3x)"
@@ -157,7 +210,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bench collectives", description=__doc__.splitlines()[0])
     ap.add_argument("--min", type=int, default=4 * 1024, help="smallest message in bytes")
     ap.add_argument("--max", type=int, default=64 * MiB, help="largest message in bytes")
-    ap.add_argument("--algorithm", default="ring", choices=["ring", "tree", "auto"])
+    ap.add_argument(
+        "--algorithm",
+        default="ring",
+        choices=["ring", "tree", "double_tree", "auto"],
+        help="all-reduce algorithm (reduce-scatter and all-gather are ring)",
+    )
+    ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, from {OPS}")
     ap.add_argument("--ranks", type=int, default=8, help="virtual ranks for the table")
     ap.add_argument("--many", type=int, default=256, help="virtual ranks for the small case")
     ap.add_argument("--budget", type=int, default=512 * MiB, help="bytes per size (iterations)")
