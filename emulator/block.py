@@ -24,14 +24,9 @@ from emulator.ops import (
     linear_backward,
     linear_forward,
 )
-from emulator.precision import down, up
+from emulator.precision import add, down, up
 
 RECOMPUTE = ("none", "selective", "full")
-
-
-def _add(a, b):
-    """Residual add in the arithmetic dtype, stored like ``a``."""
-    return down(up(a) + up(b), a.dtype)
 
 
 def _forward(bp, x, cfg, groups, keep_probs):
@@ -44,7 +39,7 @@ def _forward(bp, x, cfg, groups, keep_probs):
     n_heads = cfg.n_heads * bp["attn.wq"].shape[1] // cfg.d_model  # fewer under tensor parallel
     o, c["attn"] = attention_forward(q, k, v, n_heads, keep_probs=keep_probs)
     y, c["o"] = linear_forward(o, bp["attn.wo"], bp["attn.bo"])
-    x = _add(x, y)
+    x = add(x, y)
     m, c["ln2"] = layernorm_forward(x, bp["ln2.gain"], bp["ln2.bias"], cfg.ln_eps)
     if cfg.is_moe:
         mp = {n[4:]: bp[n] for n in ("moe.router", "moe.w1", "moe.b1", "moe.w2", "moe.b2")}
@@ -55,7 +50,7 @@ def _forward(bp, x, cfg, groups, keep_probs):
         h, c["gelu"] = gelu_forward(z)
         y, c["w2"] = linear_forward(h, bp["mlp.w2"], bp["mlp.b2"])
         aux = 0.0
-    return _add(x, y), aux, c
+    return add(x, y), aux, c
 
 
 def block_forward(bp, x, cfg, *, recompute="none", groups=None, mem=None, name="block"):
@@ -94,7 +89,7 @@ def block_backward(dx, cache, daux=None):
         dz = gelu_backward(dh, c["gelu"])
         dm, g["mlp.w1"], g["mlp.b1"] = linear_backward(dz, c["w1"])
     dln2, g["ln2.gain"], g["ln2.bias"] = layernorm_backward(dm, c["ln2"])
-    dx = _add(dx, dln2)  # residual: the gradient reaches x both directly and through LN2
+    dx = add(dx, dln2)  # residual: the gradient reaches x both directly and through LN2
     do, g["attn.wo"], g["attn.bo"] = linear_backward(dx, c["o"])
     dq, dk, dv = attention_backward(do, c["attn"])
     da_q, g["attn.wq"], g["attn.bq"] = linear_backward(dq, c["q"])
@@ -102,7 +97,7 @@ def block_backward(dx, cache, daux=None):
     da_v, g["attn.wv"], g["attn.bv"] = linear_backward(dv, c["v"])
     da = down(up(da_q) + up(da_k) + up(da_v), dx.dtype)
     dln1, g["ln1.gain"], g["ln1.bias"] = layernorm_backward(da, c["ln1"])
-    dx = _add(dx, dln1)
+    dx = add(dx, dln1)
     if mem is not None:
         if cache["mode"] == "full":
             mem.free("activations", name + ".recomputed")

@@ -31,6 +31,11 @@ def down(y: np.ndarray, dtype) -> np.ndarray:
     return y.astype(dtype, copy=False)
 
 
+def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a + b in the arithmetic dtype, stored like ``a`` (residual adds, summed gradient parts)."""
+    return down(up(a) + up(b), a.dtype)
+
+
 def compute_dtype(mode: str) -> np.dtype:
     """Dtype of the parameters, activations and gradients the forward/backward use."""
     return {"float64": np.dtype(np.float64), "float32": np.dtype(np.float32), "mixed": BF16}[mode]

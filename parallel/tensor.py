@@ -33,7 +33,7 @@ from emulator.ops import (
     linear_backward,
     linear_forward,
 )
-from emulator.precision import down, up
+from emulator.precision import add, down, up
 from parallel.sequence import check_sequence, gather_seq, reduce_scatter_seq, scatter_seq
 from parallel.shard import REPLICATE, Placement, validate
 from parallel.tensor_moe import tp_moe_backward, tp_moe_forward
@@ -105,11 +105,6 @@ def leave(tp, y, sp: bool):
 def leave_backward(tp, dy, sp: bool):
     """(B, S_l, H) -> (B, S, H): identity, or the sequence all-gather under SP."""
     return gather_seq(tp, dy) if sp else g_backward(tp, dy)
-
-
-def add(a, b):
-    """a + b in the arithmetic dtype, stored like ``a`` (residual and row-parallel bias adds)."""
-    return down(up(a) + up(b), a.dtype)
 
 
 def bias_grad(dy, dtype):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from emulator.memory import saved_nbytes
 from emulator.moe import moe_backward
 from emulator.ops import attention_backward, gelu_backward
-from emulator.precision import down, up
+from emulator.precision import add, down, up
 
 
 def linear_dx(dy, cache):
@@ -54,10 +54,6 @@ def layernorm_dw(dy, cache):
     return down(dgain, gain.dtype), down(d.reshape(-1, H).sum(axis=0), gain.dtype)
 
 
-def _add(a, b):
-    return down(up(a) + up(b), a.dtype)
-
-
 def block_backward_b(dx, cache, daux=None):
     """B of one block: -> (dx_in (B, S, H), stash for block_backward_w). Frees the block's
     activations in the ledger and accounts the (smaller) stash as `<name>.w` instead."""
@@ -75,14 +71,14 @@ def block_backward_b(dx, cache, daux=None):
         st["w1"] = (dz, c["w1"])
         dm = linear_dx(dz, c["w1"])
     st["ln2"] = (dm, c["ln2"])
-    dx = _add(dx, layernorm_dx(dm, c["ln2"]))
+    dx = add(dx, layernorm_dx(dm, c["ln2"]))
     st["o"] = (dx, c["o"])
     dq, dk, dv = attention_backward(linear_dx(dx, c["o"]), c["attn"])
     st.update(q=(dq, c["q"]), k=(dk, c["k"]), v=(dv, c["v"]))
     da = down(up(linear_dx(dq, c["q"])) + up(linear_dx(dk, c["k"])) + up(linear_dx(dv, c["v"])),
               dx.dtype)  # fmt: skip
     st["ln1"] = (da, c["ln1"])
-    dx = _add(dx, layernorm_dx(da, c["ln1"]))
+    dx = add(dx, layernorm_dx(da, c["ln1"]))
     if mem is not None:
         mem.free("activations", name)
         mem.alloc("activations", name + ".w", saved_nbytes(st, exclude=bp.values()))
