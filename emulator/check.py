@@ -40,13 +40,22 @@ def _worst_entries(got, want) -> str:
     )
 
 
-def _check_names(got: dict, want: dict, what: str) -> list[str]:
-    problems = []
+def _matched(got: dict, want: dict, what: str) -> tuple[list, list[str]]:
+    """([(name, got, want) of each name in both with one shape], a message for the rest)."""
+    problems, pairs = [], []
     if missing := sorted(set(want) - set(got)):
         problems.append(f"{what}s missing from the run: {missing}")
     if extra := sorted(set(got) - set(want)):
         problems.append(f"{what}s the reference does not have: {extra}")
-    return problems
+    for name, ref in want.items():
+        if name not in got:
+            continue
+        g, w = np.shape(got[name]), np.shape(ref)
+        if g != w:
+            problems.append(f"{what} {name}: shape {g} does not match the reference's {w}")
+        else:
+            pairs.append((name, got[name], ref))
+    return pairs, problems
 
 
 def compare(
@@ -64,44 +73,31 @@ def compare(
     same size. A per-tensor relative test on noise would fail any change of summation order,
     which every parallel layout makes. ``noise_floor=0`` compares every tensor with itself.
     """
-    problems = _check_names(got, want, what)
+    pairs, problems = _matched(got, want, what)
     amax = {n: _amax(w) for n, w in want.items()}
     top = max((a for a in amax.values() if not np.isnan(a)), default=0.0)
     diffs = [0.0]
-    for name, ref in want.items():
-        if name not in got:
-            continue
+    for name, g, w in pairs:
         noise = amax[name] < noise_floor * top
-        try:
-            d = rel_diff(got[name], ref, top if noise else None)
-        except ValueError as exc:
-            problems.append(f"{what} {name}: {exc}")
-            continue
-        diffs.append(d)
-        if not d <= rtol:  # also catches NaN
+        diffs.append(rel_diff(g, w, top if noise else None))
+        if not diffs[-1] <= rtol:  # also catches NaN
             kind = f" (noise-level, relative to the model's largest |{what}| {top:.3e})"
             problems.append(
-                f"{what} {name}{kind if noise else ''}: max rel diff {d:.3e} > {rtol:.1e}; "
-                + _worst_entries(got[name], ref)
+                f"{what} {name}{kind if noise else ''}: max rel diff {diffs[-1]:.3e} > "
+                f"{rtol:.1e}; {_worst_entries(g, w)}"
             )
     return float(np.max(diffs)), problems
 
 
 def compare_abs(got: dict, want: dict, atol: float, what: str = "param") -> tuple[float, list]:
     """As `compare`, by max |diff| <= atol per tensor: (worst max |diff|, problems)."""
-    problems, diffs = _check_names(got, want, what), [0.0]
-    for name, ref in want.items():
-        if name not in got:
-            continue
-        try:
-            d = rel_diff(got[name], ref, 0.0)
-        except ValueError as exc:
-            problems.append(f"{what} {name}: {exc}")
-            continue
-        diffs.append(d)
-        if not d <= atol:
+    pairs, problems = _matched(got, want, what)
+    diffs = [0.0]
+    for name, g, w in pairs:
+        diffs.append(rel_diff(g, w, 0.0))
+        if not diffs[-1] <= atol:
             problems.append(
-                f"{what} {name}: max |diff| {d:.3e} > {atol:.1e}; " + _worst_entries(got[name], ref)
+                f"{what} {name}: max |diff| {diffs[-1]:.3e} > {atol:.1e}; {_worst_entries(g, w)}"
             )
     return float(np.max(diffs)), problems
 
