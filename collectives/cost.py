@@ -124,8 +124,8 @@ def btree_links(m: int, p: int) -> tuple:
     """(parent, left, right) of m in NCCL's in-order binary tree on 0..p-1; None if absent.
 
     Rank 0 is the root with one child, the largest power of two below p. Below it, m's lowest set
-    bit b gives its height: children m - b/2 and m + b/2 (m + b/4, m + b/8, ... if m + b/2 >= p;
-    none if even m + 1 >= p), parent whichever of m - b, m + b has lowest set bit 2b (m - b if
+    bit b gives its height: children m - b/2 and the largest of m + b/2, m + b/4, ..., m + 1
+    below p (none if m = p-1); parent whichever of m - b, m + b has lowest set bit 2b (m - b if
     m + b >= p). Odd m are the leaves. In order: left subtree < m < right subtree, so the tree
     read left to right is 0, 1, ..., p-1 (ncclGetBtree, NCCL src/graph/trees.cc).
     """
@@ -159,6 +159,7 @@ def double_tree_links(rank: int, p: int, tree: int) -> tuple:
 
 
 def double_tree_all_reduce(n: int, p: int, itemsize: int, rank: int) -> tuple[int, int]:
+    """sent = received = (deg_0(r) n_0 + deg_1(r) n_1) w, as derived in the module docstring."""
     halves = (n - n // 2, n // 2)  # np.array_split(x, 2)
     moved = 0
     for t, h in enumerate(halves):
@@ -247,8 +248,9 @@ def auto_all_reduce(nbytes: int, p: int, alpha=ALPHA, bandwidth=BANDWIDTH) -> st
     Solving T_tree < T_ring for S gives S < (p-1-L) alpha B / (L - (p-1)/p), L = ceil(log2 p):
     about 100 KB at p=4, 235 KB at p=8, 450 KB at p=16, 4.4 MB at p=256 with the defaults.
     The double tree is not a candidate: unpipelined, its model time 2L(2 alpha + S/B) is never
-    below the binomial tree's 2L(alpha + S/B). What it buys is balance - every rank moves at most
-    2S each way instead of the binomial root's L S - which this time model does not price.
+    below the binomial tree's 2L(alpha + S/B). What it buys is balance - every rank moves about
+    2S each way (at most 2n + 1 elements), not the binomial root's L S - which this time model
+    does not price.
     """
     tree = tree_all_reduce_time(nbytes, p, alpha, bandwidth)
     return "tree" if tree < ring_all_reduce_time(nbytes, p, alpha, bandwidth) else "ring"
