@@ -1,5 +1,6 @@
-"""What DDP and ZeRO share: the loss normalisation, clipping across shards, and a layer-by-layer
+"""What DDP and ZeRO share: the loss normalisation and a layer-by-layer
 model step with hooks, so a layout can act exactly when the backward produces a gradient.
+(Clipping by the global norm, for every layout: parallel/clip.py.)
 
 Shape letters: B batch (this rank's micro-batch), S sequence, H d_model.
 
@@ -10,12 +11,8 @@ routing groups - so gradients are SUMMED over dp and equal the reference's exact
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from collectives import all_reduce
-from emulator import scope
 from emulator.model import (
     block_backward,
     block_forward,
@@ -25,8 +22,6 @@ from emulator.model import (
     head_backward,
     head_forward,
 )
-from emulator.optim import clip_coefficient, grad_norm_sq
-from emulator.precision import down, up
 
 
 def loss_scales(global_tokens: int, my_groups: int, all_groups: int) -> tuple[int, float]:
@@ -37,35 +32,6 @@ def loss_scales(global_tokens: int, my_groups: int, all_groups: int) -> tuple[in
             f"{global_tokens}, {my_groups}, {all_groups}"
         )
     return int(global_tokens), my_groups / all_groups
-
-
-def global_norm(norm_sq: float, comms=(), weights_applied=True) -> float:
-    """sqrt of norm_sq all-reduced over each comm in turn (dp, then e.g. tp / pp)."""
-    total = np.array([norm_sq], dtype=np.float64)
-    with scope("dp/clip"):
-        for c in comms:
-            if c is not None and c.size > 1:
-                total = all_reduce(c, total, op="sum")
-    return math.sqrt(float(total[0]))
-
-
-def weighted_norm_sq(grads: dict, norm_weights=None) -> float:
-    """Sum of squares; a parameter replicated over a norm group of size R carries weight 1/R."""
-    if not norm_weights:
-        return grad_norm_sq(grads)
-    return sum(norm_weights.get(n, 1.0) * grad_norm_sq([g]) for n, g in grads.items())
-
-
-def clip_grads(grads: dict, max_norm, norm_groups=(), norm_weights=None) -> float:
-    """Clip replicated (DDP) grads in place by the global norm; returns the norm before clipping.
-    The reference's arithmetic: g <- down(up(g) * coef) (emulator.optim.clip_grad_norm)."""
-    norm = global_norm(weighted_norm_sq(grads, norm_weights), norm_groups)
-    if max_norm is not None:
-        coef = clip_coefficient(norm, max_norm)
-        if coef < 1.0:
-            for g in grads.values():
-                g[...] = down(up(g) * coef, g.dtype)
-    return norm
 
 
 def rebind(obj, table: dict):

@@ -16,8 +16,9 @@ from emulator.data import shard_batch, split_microbatches
 from emulator.model import check_inputs, init_params, to_compute
 from emulator.optim import AdamW
 
+from .clip import clip_
 from .ddp import DDP
-from .dp_common import clip_grads, loss_scales, microbatch_step
+from .dp_common import loss_scales, microbatch_step
 from .flat import fsdp_units
 from .fsdp import FSDPHooks, ReplicatedHooks
 from .zero import ZeroOptimizer, check_stage
@@ -106,7 +107,8 @@ def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microba
         if stage == "ddp":
             grads = engine.finish()
             run.grads = {n: g.copy() for n, g in grads.items()}
-            run.grad_norms.append(clip_grads(grads, max_norm))
+            # DDP grads are already summed (replicated) over dp: no group to reduce over
+            run.grad_norms.append(clip_(grads, max_norm, (), tag="dp/clip")[0])
             opt.step(params, grads)
             compute = to_compute(params, cfg)  # the bf16 copy (the same arrays otherwise)
             engine.zero_grad()

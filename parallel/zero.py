@@ -22,10 +22,10 @@ import numpy as np
 
 from collectives import all_gather, reduce_scatter
 from emulator import scope
-from emulator.optim import adamw_update, clip_coefficient
+from emulator.optim import adamw_update
 from emulator.precision import compute_dtype, down, master_dtype, up
 
-from .dp_common import global_norm
+from .clip import global_grad_norm, scale_
 from .flat import GradAccumulator, make_buckets, make_layout
 
 STAGES = (1, 2, 3)
@@ -128,18 +128,17 @@ class ZeroOptimizer:
             raise ValueError(f"ZeroOptimizer.step: no gradients this step for {never[:3]}...")
         self.reduced = set()
         self.last_grads = {i: g.copy() for i, g in self.gshard.items()}
-        sq = 0.0
+        sq = 0.0  # the owned shards' squares (padding is 0); weights per element when given
         for i, g in self.gshard.items():
             g64 = g.astype(np.float64)
             sq += float(np.dot(g64, g64 * self.wshard[i] if self.wshard else g64))
-        norm = global_norm(sq, (self.comm, *self.norm_groups))
-        coef = 1.0 if self.max_norm is None else clip_coefficient(norm, self.max_norm)
+        norm, coef = global_grad_norm(sq, (self.comm, *self.norm_groups),
+                                      max_norm=self.max_norm, tag="dp/clip")  # fmt: skip
+        scale_(self.gshard, coef)  # the reference's clip arithmetic
         self.step_count += 1
         for lay in self.layouts:
             i = lay.index
             g = self.gshard[i]
-            if coef < 1.0:
-                g[...] = down(up(g) * coef, g.dtype)  # the reference's clip arithmetic
             adamw_update(self.master[i], g, self.m[i], self.v[i], self.step_count, **self.hyper)
             g[...] = 0
             self._publish(lay)
