@@ -48,9 +48,23 @@ class DDP:
         self.sync = True
         self.reduced: dict[int, object] = {}
         self.events: list[tuple[int, str]] = []  # (bucket, where) in the order they fired
+        self.closed = False
         if mem is not None:  # bucket buffers live for the whole run (PyTorch allocates them once)
             for b in self.layouts:
                 mem.alloc("grads", f"ddp.bucket{b.index}", b.padded * self.dtype.itemsize)
+
+    def close(self) -> None:
+        """Free the bucket buffers in the memory ledger (idempotent); `with DDP(...) as ddp:`."""
+        if self.mem is not None and not self.closed:
+            for b in self.layouts:
+                self.mem.free("grads", f"ddp.bucket{b.index}")
+        self.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @contextlib.contextmanager
     def no_sync(self):

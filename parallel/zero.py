@@ -80,16 +80,38 @@ class ZeroOptimizer:
 
     # -- memory ledger: the static state of this rank, by category -----------------------------
     def _account(self) -> None:
+        self.statics, self.closed = [], False  # (category, name) allocated; freed by close()
         if self.mem is None:
             return
         c, m, s = self.cdt.itemsize, self.mdt.itemsize, self.stage
         for lay in self.layouts:
             i, n, sh = lay.index, lay.padded, lay.shard
-            self.mem.alloc("params", f"u{i}.params", (n if s < 3 else sh) * c)
+            entries = [("params", f"u{i}.params", (n if s < 3 else sh) * c)]
             if self.mixed:
-                self.mem.alloc("params", f"u{i}.master", sh * m)
-            self.mem.alloc("grads", f"u{i}.grads", (n if s == 1 else sh) * c)
-            self.mem.alloc("optimizer", f"u{i}.adam", 2 * sh * m)
+                entries.append(("params", f"u{i}.master", sh * m))
+            entries.append(("grads", f"u{i}.grads", (n if s == 1 else sh) * c))
+            entries.append(("optimizer", f"u{i}.adam", 2 * sh * m))
+            for cat, name, nbytes in entries:
+                self.mem.alloc(cat, name, nbytes)
+                self.statics.append((cat, name))
+
+    def close(self) -> None:
+        """Free this optimizer's memory-ledger entries - static state, gathered units, transient
+        full gradients - so a later run on the same ranks starts from zero (idempotent)."""
+        if self.mem is not None and not self.closed:
+            for i in list(self.gathered):
+                self.free(i)
+            for i in list(self.acc.flats) if self.stage >= 2 else ():
+                self.mem.free("grads", f"u{i}.full")
+            for cat, name in self.statics:
+                self.mem.free(cat, name)
+        self.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- gradients ------------------------------------------------------------------------------
     def grad_ready(self, name: str, grad, where: str = "") -> None:

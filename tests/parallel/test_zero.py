@@ -148,6 +148,34 @@ def test_hypothesis_any_degree_stage_shape(D, stage, k, n_layers, H, cap):
     check_formulas(runs, cfg, stage, k=k)
 
 
+def test_repeated_runs_free_their_memory_and_match_the_formulas_each_time():
+    """Review 2a: a second run in one SPMD program used to hit a double alloc (DDP, ZeRO-3) or
+    report doubled memory (DDP then ZeRO-1). Each run now frees what it allocated."""
+    seq = [("float64", "ddp", {}), ("float64", "ddp", {}), ("float64", "3", {}),
+           ("float64", "3", {"prefetch": True}), ("mixed", "ddp", {}), ("mixed", "1", {}),
+           ("mixed", "2", {}), ("mixed", "3", {})]  # fmt: skip
+
+    def body(comm):
+        from parallel.dp_train import train_data_parallel
+
+        out = []
+        for dtype, stage, kw in seq:
+            cfg = tiny(dtype)
+            run = train_data_parallel(comm, cfg, 1, _batches(cfg), 1, stage=stage, **kw)
+            assert comm.memory.current() == 0, comm.memory  # everything freed
+            out.append(run)
+        return out
+
+    for runs in emulator.spawn(body, 2, timeout=30):
+        for (dtype, stage, kw), run in zip(seq, runs, strict=True):
+            cfg = tiny(dtype)
+            want = static_memory(stage, run.layouts, n_params(cfg), dtype)
+            assert {c: run.memory["current"][c] for c in want} == want, (stage, dtype)
+            if stage == "3":
+                peak = peak_fsdp(run.layouts, cfg.n_layers, dtype, True, kw.get("prefetch", False))
+                assert {c: run.memory["peak"][c] for c in peak} == peak
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_step_without_gradients_is_a_clear_error(stage):
     params = {"w": np.ones((4, 3)), "b": np.zeros(5)}
