@@ -152,9 +152,14 @@ def tp_block_forward(tp, bp, x, cfg, *, sp=False, regather=True, keep_probs=True
     return x, c
 
 
-def _regather(tp, c, key, x_local):
+def _linear_input(tp, c, key, local):
+    """The input of the column-parallel linear cached under ``key``, (B, S, H). Under regather
+    the forward kept only the S/R slice ``c[local]``: all-gather it again (Korthikanti et al. 2022,
+    section 4.2.2). Reads the forward's cache, never writes it."""
+    if not c["regather"]:
+        return c[key][0]
     with scope("regather"):
-        return (enter(tp, x_local, True), *c[key][1:])
+        return enter(tp, c[local], True)
 
 
 def tp_block_backward(tp, dx, c, daux=None):
@@ -172,22 +177,18 @@ def tp_block_backward(tp, dx, c, daux=None):
         g["mlp.b2"] = bias_grad(dx, bp["mlp.b2"].dtype)  # on S_l positions: partial under SP
         dh, g["mlp.w2"], _ = linear_backward(leave_backward(tp, dx, sp), c["w2"])  # g^T
         dz = gelu_backward(dh, c["gelu"])
-        if c["regather"]:
-            c["w1"] = _regather(tp, c, "w1", c["m"])
-        dm, g["mlp.w1"], g["mlp.b1"] = linear_backward(dz, c["w1"])
+        m_full = _linear_input(tp, c, "w1", "m")  # (B, S, H)
+        dm, g["mlp.w1"], g["mlp.b1"] = linear_backward(dz, (m_full, *c["w1"][1:]))
         dm = enter_backward(tp, dm, sp)  # f^T: sum the ranks' contributions
     dln2, g["ln2.gain"], g["ln2.bias"] = layernorm_backward(dm, c["ln2"])
     dx = add(dx, dln2)
     g["attn.bo"] = bias_grad(dx, bp["attn.bo"].dtype)
     do, g["attn.wo"], _ = linear_backward(leave_backward(tp, dx, sp), c["o"])  # g^T
     dq, dk, dv = attention_backward(do, c["attn"])
-    if c["regather"]:
-        a_full = _regather(tp, c, "q", c["a"])[0]
-        for key in "qkv":
-            c[key] = (a_full, *c[key][1:])
-    da_q, g["attn.wq"], g["attn.bq"] = linear_backward(dq, c["q"])
-    da_k, g["attn.wk"], g["attn.bk"] = linear_backward(dk, c["k"])
-    da_v, g["attn.wv"], g["attn.bv"] = linear_backward(dv, c["v"])
+    a_full = _linear_input(tp, c, "q", "a")  # (B, S, H): q, k, v share one input
+    da_q, g["attn.wq"], g["attn.bq"] = linear_backward(dq, (a_full, *c["q"][1:]))
+    da_k, g["attn.wk"], g["attn.bk"] = linear_backward(dk, (a_full, *c["k"][1:]))
+    da_v, g["attn.wv"], g["attn.bv"] = linear_backward(dv, (a_full, *c["v"][1:]))
     da = enter_backward(tp, down(up(da_q) + up(da_k) + up(da_v), dx.dtype), sp)  # f^T
     dln1, g["ln1.gain"], g["ln1.bias"] = layernorm_backward(da, c["ln1"])
     dx = add(dx, dln1)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from collectives.api import all_reduce
+from emulator import scope
 from emulator.moe import (
     check_groups,
     combine,
@@ -73,7 +74,8 @@ def tp_moe_backward(tp, dy, cache, daux, bp):
             acc[n] += up(d)
         dgates.append(dg)
     sizes = [d.size for d in dgates]
-    total = all_reduce(tp, np.concatenate([d.reshape(-1) for d in dgates]), algorithm="ring")
+    with scope("gates"):  # (sum over groups of N K,) partial -> complete on every rank
+        total = all_reduce(tp, np.concatenate([d.reshape(-1) for d in dgates]), algorithm="ring")
     n_groups, off = len(cache["groups"]), 0
     for (idx, r, _, _), k, dg in zip(cache["groups"], sizes, dgates):
         du, drouter = route_backward(total[off : off + k].reshape(dg.shape), daux / n_groups, r)

@@ -3,7 +3,8 @@
 Each tp group is one model replica; the dp axis copies it (Narayanan et al. 2021, section 2.3).
 A rank's TP shard is just "a rank-local dict of named parameters" to parallel/ddp.py and
 parallel/zero.py (docs/CONTRACTS.md), which are used unchanged on mesh["dp"]:
-  none   pure TP: local AdamW; the clip norm sums the sharded squares over tp (counted once)
+  none   pure TP: local AdamW; the clip norm (parallel/clip.py) sums the squares over tp,
+         weighting the gradients replicated over tp by 1/t so that each counts once
   ddp    DDP buckets summed over dp per step (no_sync for the first k-1 micro-batches)
   1      ZeRO-1 over dp: reduce-scatter, AdamW on the owned slice, all-gather; the norm also
          sums over tp, with weight 1/t on the parameters replicated over tp
@@ -15,13 +16,10 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
-
-from collectives.api import all_reduce
-from emulator import scope
 from emulator.data import shard_batch
-from emulator.optim import AdamW, clip_coefficient, grad_norm_sq
+from emulator.optim import AdamW
 from emulator.precision import down, up
+from parallel.clip import global_grad_norm, scale_
 from parallel.ddp import DDP
 from parallel.zero import ZeroOptimizer
 
@@ -39,13 +37,13 @@ class DataParallelSync:
         self.stage, self.tp, self.cfg, self.max_norm = stage, mesh["tp"], cfg, max_norm
         self.dp = mesh["dp"] if "dp" in mesh.names else None
         self.rank = mesh.coord("dp") if self.dp is not None else 0
-        self.sharded = [n for n in params if plan[n].sharded]
         self.params, mem = params, mesh.comm.memory
+        # a gradient replicated over tp (LayerNorms, row-parallel biases) counts once in the norm
+        self.weights = {n: 1.0 / self.tp.size for n in params if not plan[n].sharded}
         if stage == "1":
-            weights = {n: 1.0 / self.tp.size for n in params if not plan[n].sharded}
             self.engine = ZeroOptimizer(self.dp, params, 1, dtype=cfg.dtype, max_norm=max_norm,
-                                        norm_groups=[self.tp], norm_weights=weights, mem=mem,
-                                        **hyper)  # fmt: skip
+                                        norm_groups=[self.tp], norm_weights=self.weights,
+                                        mem=mem, **hyper)  # fmt: skip
         else:
             self.opt = AdamW(params, **hyper)
             self.engine = DDP(self.dp, params, dtype=cfg.dtype, mem=mem) if stage == "ddp" else None
@@ -82,18 +80,15 @@ class DataParallelSync:
         return sum((s for every in self.dp.allgather_object(shares) for s in every), 0.0)
 
     def step(self, grads: dict) -> float:
-        """Clip and update -> the global norm before clipping."""
+        """Clip and update -> the global norm before clipping (parallel/clip.py: TP shards summed
+        over tp, the replicated gradients weighted 1/t so they count once). ``grads`` is left
+        as it is (tp_train returns it as the unclipped gradient): a clipped copy is stepped."""
         if self.stage == "1":
             return self.engine.step(grads)
-        with scope("clip"):  # sharded squares summed over tp, replicated ones counted once
-            local = np.array([grad_norm_sq([grads[n] for n in self.sharded])])
-            sq = float(all_reduce(self.tp, local, algorithm="ring")[0])
-            rest = grad_norm_sq([a for n, a in grads.items() if n not in self.sharded])
-            norm = float(np.sqrt(sq + rest))
-        coef = 1.0 if self.max_norm is None else clip_coefficient(norm, self.max_norm)
-        step_grads = grads
-        if coef < 1.0:
-            step_grads = {n: down(up(a) * coef, a.dtype) for n, a in grads.items()}
+        norm, coef = global_grad_norm(grads, (self.tp,), max_norm=self.max_norm,
+                                      weights=self.weights, tag="clip")  # fmt: skip
+        step_grads = grads if coef >= 1.0 else {n: g.copy() for n, g in grads.items()}
+        scale_(step_grads, coef)
         self.opt.step(self.params, step_grads)
         if self.stage == "ddp":
             self.engine.zero_grad()

@@ -5,8 +5,10 @@ the single-rank AdamW, which is elementwise and so exact on shards. One step mir
 emulator/reference.py: micro-batches, CE normalised by the global token count, gradients summed,
 then (SP only) the partial replicated gradients summed over tp, optional clipping by the global
 norm (sharded squares all-reduced over tp, replicated ones counted once), then AdamW.
-Every collective of block i runs under the scope "blocks.{i}/fwd" or "blocks.{i}/bwd", so the
-ledger gives bytes per layer (parallel/tp_cost.py has the formulas).
+Every collective of block i in micro-batch j runs under the scope "blocks.{i}/mb{j}/fwd" or
+".../bwd" (the embedding and head likewise: "embed/mb{j}/fwd", ...), so the ledger gives bytes per
+layer per micro-batch (parallel/tp_cost.py has the formulas); the backward's SP re-gathers add
+"/regather", an MoE block's gate-gradient all-reduce "/gates".
 """
 
 from __future__ import annotations
@@ -30,40 +32,48 @@ from parallel.vocab import (
 )
 
 
+def _scope(where: str, mb: str, phase: str):
+    """The ledger tag "<where>/<mb>/<phase>" ("blocks.0/mb1/bwd"; no mb part if mb is "")."""
+    return scope("/".join(x for x in (where, mb, phase) if x))
+
+
 def tp_model_forward(tp, p, tokens, targets, cfg, *, sp=False, regather=True, recompute="none",
                      groups=None, ce_denom=None, aux_scale=1.0, mem=None, prefix=""):  # fmt: skip
-    """p: this rank's shards (compute dtype) -> (loss, cache). Blocks' activations -> ``mem``."""
+    """p: this rank's shards (compute dtype) -> (loss, cache). Blocks' activations -> ``mem``
+    under names prefixed by ``prefix`` ("mb{j}."), which also names the ledger scopes."""
     if recompute not in ("none", "selective"):
         raise ValueError(
             f"tensor parallel supports recompute 'none' or 'selective', not {recompute!r}"
         )
-    with scope("embed/fwd"):
+    mb = prefix.rstrip(".")
+    with _scope("embed", mb, "fwd"):
         x, ecache = vocab_embedding_forward(tp, tokens, p["embed.tok"], p["embed.pos"], sp=sp)
     blocks = []
     for i in range(cfg.n_layers):
-        with scope(f"blocks.{i}/fwd"):
+        with _scope(f"blocks.{i}", mb, "fwd"):
             kw = {"sp": sp, "regather": regather, "keep_probs": recompute == "none"}
             x, c = tp_block_forward(tp, block_params(p, i), x, cfg, groups=groups, mem=mem,
                                     name=f"{prefix}blocks.{i}", **kw)  # fmt: skip
         blocks.append(c)
-    with scope("head/fwd"):
+    with _scope("head", mb, "fwd"):
         ce, hcache = vocab_head_forward(tp, p, x, targets, cfg, sp=sp, denom=ce_denom)
     daux = cfg.aux_loss_coef * aux_scale
     loss = float(ce) + daux * sum(c["aux"] for c in blocks)
-    return loss, {"embed": ecache, "blocks": blocks, "head": hcache, "daux": daux, "ce": float(ce)}
+    cache = {"embed": ecache, "blocks": blocks, "head": hcache, "daux": daux, "ce": float(ce)}
+    return loss, cache | {"mb": mb}
 
 
 def tp_model_backward(tp, cache, names) -> dict:
     """-> this rank's gradients by name (in ``names`` order)."""
-    grads = {}
-    with scope("head/bwd"):
+    grads, mb = {}, cache["mb"]
+    with _scope("head", mb, "bwd"):
         dx, g = vocab_head_backward(tp, 1.0, cache["head"])
     grads.update(g)
     for i in reversed(range(len(cache["blocks"]))):
-        with scope(f"blocks.{i}/bwd"):
+        with _scope(f"blocks.{i}", mb, "bwd"):
             dx, dbp = tp_block_backward(tp, dx, cache["blocks"][i], daux=cache["daux"])
         grads.update({f"blocks.{i}.{n}": d for n, d in dbp.items()})
-    with scope("embed/bwd"):
+    with _scope("embed", mb, "bwd"):
         grads["embed.tok"], grads["embed.pos"] = vocab_embedding_backward(tp, dx, cache["embed"])
     return {n: grads[n] for n in names}
 

@@ -85,3 +85,31 @@ def test_partial_gradients_and_bad_sequence_length():
     ]  # fmt: skip
     with pytest.raises(ValueError, match="S=6 is not divisible by 4"):
         seq_slice(6, 4, 0)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_backward_reads_its_cache_and_never_writes_it(moe):
+    """tp_block_backward re-gathers into local variables: the forward's cache (its keys, the
+    objects under them, and the dropped (None, ...) inputs) is the same after the backward."""
+    from emulator.model import block_params, init_params
+    from parallel.shard import shard
+    from parallel.tensor import megatron_plan, tp_block_backward, tp_block_forward
+
+    cfg = ModelConfig(vocab_size=8, max_seq_len=8, d_model=8, n_heads=2, n_layers=1,
+                      n_experts=3 if moe else 0, moe_top_k=2)  # fmt: skip
+    x = np.random.default_rng(1).normal(size=(2, 4, 8))
+
+    def fn(comm):
+        p = shard(init_params(cfg, 0), megatron_plan(cfg), comm.rank, 2)
+        mine = scatter_seq(x, 2, comm.rank)
+        y, c = tp_block_forward(comm, block_params(p, 0), mine, cfg, sp=True, regather=True)
+        before = {k: (v, *v) if isinstance(v, tuple) else v for k, v in c.items()}
+        tp_block_backward(comm, np.ones_like(y), c)
+        after = {k: (v, *v) if isinstance(v, tuple) else v for k, v in c.items()}
+        same = before.keys() == after.keys() and all(
+            all(u is w for u, w in zip(before[k], after[k])) if isinstance(before[k], tuple)
+            else before[k] is after[k] for k in before
+        )  # fmt: skip
+        return same, c["q"][0] is None
+
+    assert emulator.spawn(fn, 2, timeout=30) == [(True, True)] * 2
