@@ -10,7 +10,8 @@ Times are exact Fractions, so measured bubbles equal the formulas exactly, not t
 Bubble = idle / total per stage. Closed forms (t_b includes W for an unsplit backward):
   GPipe, 1F1B      (p-1) / (m+p-1)                 Narayanan et al. 2021, section 2.2.1
   interleaved      ((p-1)/v) / (m + (p-1)/v)        Narayanan et al. 2021, section 2.2.2
-  ZB-H1            (p-1)(F+B-W) / ((p-1)(F+B-W) + m(F+B+W)), m >= p, W <= F, B
+  ZB-H1            (p-1)(F+B-W) / ((p-1)(F+B-W) + m(F+B+W)),        m >= p, W <= F, B
+                   1 - m(F+B+W) / ((m+p-1)(F+B) + W),                m <= p, W <= F, B
 """
 
 from __future__ import annotations
@@ -66,9 +67,12 @@ def bubble_formula(sched: Schedule, cost: Cost = Cost()) -> Fraction:
     ZB-H1 (Qi et al. 2023, section 2.1): the replay gives total = m(F+B+W) + (p-1)(F+B-W),
     i.e. 2W per stage less than 1F1B's (p-1)(F+B+W): B alone is on the critical path back,
     and each stage's deferred W passes fill the cool-down. With F = B = W that is a third of
-    1F1B's bubble, the paper's claim. It holds exactly when m >= p and W <= min(F, B)
-    (checked exhaustively for p <= 6, m <= 13, F, B, W in 1..3, and by hypothesis); outside
-    that domain a ValueError says so rather than returning a wrong figure.
+    1F1B's bubble, the paper's claim. With m < p there is no steady state to fill: the span is
+    1F1B's (m+p-1)(F+B+W) critical path with B in place of B + W, plus stage 0's last W, so
+    total = (m+p-1)(F+B) + W (both agree at m = p). Both hold exactly when W <= min(F, B)
+    (checked exhaustively for p <= 8, m <= 13, F, B in 1..4, W in 0..min(F, B): 4784
+    cases, and by hypothesis); outside that domain a ValueError says so rather than returning
+    a wrong figure.
     """
     p, m, v = sched.p, sched.m, sched.v
     if sched.name in ("gpipe", "1f1b"):
@@ -77,13 +81,14 @@ def bubble_formula(sched: Schedule, cost: Cost = Cost()) -> Fraction:
         return Fraction(p - 1, v) / (m + Fraction(p - 1, v))
     if sched.name == "zb-h1":
         f, b, w = Fraction(cost.f), Fraction(cost.b), Fraction(cost.w)
-        if m < p or w > min(f, b):
+        if w > min(f, b):
             raise ValueError(
-                f"the ZB-H1 closed form needs m >= p and W <= min(F, B); got p={p}, m={m}, "
-                f"F={f}, B={b}, W={w} (measure it with measured_bubble instead)"
+                f"the ZB-H1 closed form needs W <= min(F, B); got p={p}, m={m}, F={f}, B={b}, "
+                f"W={w} (measure it with measured_bubble instead)"
             )
-        idle = (p - 1) * (f + b - w)
-        return idle / (idle + m * (f + b + w))
+        busy = m * (f + b + w)
+        total = busy + (p - 1) * (f + b - w) if m >= p else (m + p - 1) * (f + b) + w
+        return (total - busy) / total
     raise ValueError(f"no closed-form bubble for schedule {sched.name!r}")
 
 

@@ -51,6 +51,17 @@ def test_zb_h1_bubble_is_p_minus_1_times_f_plus_b_minus_w(p, extra, f, b, data):
     assert want <= one
 
 
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(2, 8), f=st.integers(1, 4), b=st.integers(1, 4), data=st.data())
+def test_zb_h1_bubble_with_fewer_micro_batches_than_stages(p, f, b, data):
+    # m < p: no steady state; span = 1F1B's (m+p-1)(F+B+W) with B for B+W, plus stage 0's W
+    m, w = data.draw(st.integers(1, p - 1)), data.draw(st.integers(0, min(f, b)))
+    cost, busy = Cost(f, b, w), m * (f + b + w)
+    want = 1 - Fraction(busy, (m + p - 1) * (f + b) + w)
+    sched = zb_h1(p, m)
+    assert measured_bubble(sched, cost) == [want] * p == [bubble_formula(sched, cost)] * p
+
+
 def test_zb_h1_is_a_third_of_1f1b_when_f_b_w_are_equal():
     # Qi et al. 2023, section 2.1: bubble time (p-1)F against 1F1B's 3(p-1)F.
     ev = {n: replay(make_schedule(n, 4, 8)) for n in ("1f1b", "zb-h1")}
@@ -59,21 +70,24 @@ def test_zb_h1_is_a_third_of_1f1b_when_f_b_w_are_equal():
 
 
 def test_zb_h1_formula_refuses_outside_its_domain():
-    with pytest.raises(ValueError, match="needs m >= p"):
-        bubble_formula(zb_h1(4, 2))
+    # p = 4, m = 2, F = B = W = 1: span 11, busy 6 (examples/05 --pp 4 --microbatches 2)
+    assert bubble_formula(zb_h1(4, 2)) == measured_bubble(zb_h1(4, 2))[0] == Fraction(5, 11)
+    with pytest.raises(ValueError, match="needs W <= min\\(F, B\\)"):
+        bubble_formula(zb_h1(4, 8), Cost(1, 1, 2))
 
 
 @settings(max_examples=40, deadline=None)
 @given(name=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1"]), p=st.integers(1, 6),
-       k=st.integers(1, 3), v=st.integers(1, 3))  # fmt: skip
-def test_peak_in_flight(name, p, k, v):
+       k=st.integers(1, 3), v=st.integers(1, 3), off=st.integers(0, 5))  # fmt: skip
+def test_peak_in_flight(name, p, k, v, off):
     v = v if name == "interleaved" else 1
-    sched = make_schedule(name, p, p * k, v)
+    m = p * k if name == "interleaved" else max(1, p * k - off)  # m < p too, but interleaved
+    sched = make_schedule(name, p, m, v)
     assert in_flight(sched) == in_flight_formula(sched)
     if name == "1f1b":
-        assert in_flight(sched) == [min(p - s, p * k) for s in range(p)]
+        assert in_flight(sched) == [min(p - s, m) for s in range(p)]
     if name == "gpipe":
-        assert in_flight(sched) == [p * k] * p
+        assert in_flight(sched) == [m] * p
 
 
 def test_messages_carry_bytes_and_peers():
