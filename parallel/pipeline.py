@@ -115,18 +115,20 @@ class Links:
         return self.box.pop(key)
 
 
-def run_schedule(pp, sched, split, params, mbs, cfg, *, ce_denom, aux_scale, recompute="none",
-                 mem=None):  # fmt: skip
+def run_schedule(pp, sched, split, params, mbs, cfg, *, ce_denom, aux_scales, groups=None,
+                 recompute="none", mem=None):  # fmt: skip
     """Execute this stage's actions for one optimizer step.
 
-    params: this stage's compute-dtype parameters; mbs: the m (tokens, targets) micro-batches.
+    params: this stage's compute-dtype parameters; mbs: the m (tokens, targets) micro-batches;
+    aux_scales[j]: micro-batch j's share of the step's routing groups (MoE aux weight);
+    groups[j]: its routing groups (flat indices b*S + s) or None (one group).
     -> (grads summed over micro-batches in ascending order - as reference_train sums them -,
         this stage's share of the loss, the executed actions, peak live micro-batch units).
     """
     s, p, U = pp.rank, sched.p, sched.p * sched.v
     b, S = mbs[0][0].shape
     links = Links(pp, sched, (b, S, cfg.d_model), next(iter(params.values())).dtype)
-    daux = cfg.aux_loss_coef * aux_scale
+    groups = groups or [None] * len(mbs)
     caches, stash, grads = {}, {}, {}
     loss, live, peak, done = 0.0, 0, 0, []
 
@@ -145,10 +147,11 @@ def run_schedule(pp, sched, split, params, mbs, cfg, *, ce_denom, aux_scale, rec
             else:
                 x = links.recv(("act", a.mb, u), (u - 1) % p)
             for i in split[u]:
-                kw = {"recompute": recompute, "mem": mem, "name": f"mb{a.mb}.blocks.{i}"}
+                kw = {"recompute": recompute, "groups": groups[a.mb], "mem": mem,
+                      "name": f"mb{a.mb}.blocks.{i}"}  # fmt: skip
                 x, bc = block_forward(block_params(params, i), x, cfg, **kw)
                 c["blocks"].append((i, bc))
-                loss += cfg.aux_loss_coef * aux_scale * float(bc["aux"])
+                loss += cfg.aux_loss_coef * aux_scales[a.mb] * float(bc["aux"])
             if u == U - 1:
                 ce, c["head"] = head_forward(params, x, tgt, cfg, denom=ce_denom)
                 _alloc(mem, f"mb{a.mb}.head", c["head"], params)
@@ -159,7 +162,7 @@ def run_schedule(pp, sched, split, params, mbs, cfg, *, ce_denom, aux_scale, rec
             live += 1
             peak = max(peak, live)
         elif a.kind == "B":
-            c = caches.pop(key)
+            c, daux = caches.pop(key), cfg.aux_loss_coef * aux_scales[a.mb]
             if u == U - 1:
                 dx, g = head_backward(1.0, c["head"])  # the split leaves the head whole (small)
                 _free(mem, f"mb{a.mb}.head")

@@ -175,12 +175,18 @@ def validate(sched: Schedule) -> Schedule:
     each stage runs every (micro-batch, chunk) it owns exactly once as F, B (and W when split),
     F before B before W, every received message is sent by exactly one action of the
     neighbour, and the stages cannot deadlock (checked by simulating the eager-send executor)."""
+    if not isinstance(sched, Schedule):
+        raise TypeError(f"validate: expected a Schedule, got {type(sched).__name__}")
+    _check(sched.p, sched.m, sched.v)
     if len(sched.stages) != sched.p:
         raise ValueError(f"{sched.name}: {len(sched.stages)} action lists for p={sched.p} stages")
     kinds = "FBW" if sched.split else "FB"
     for s, acts in enumerate(sched.stages):
         seen: dict = {}
         for i, a in enumerate(acts):
+            if not isinstance(a, Action):
+                raise TypeError(f"{sched.name}: stage {s} action #{i} {a!r} is not an Action "
+                                 f"(build it as Action('F', j, c))")  # fmt: skip
             if a.kind not in kinds or not (0 <= a.mb < sched.m and 0 <= a.chunk < sched.v):
                 raise ValueError(
                     f"{sched.name}: stage {s} action #{i} {a} is not one of {list(kinds)} for "

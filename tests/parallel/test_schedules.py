@@ -92,3 +92,12 @@ def test_bad_parameters_are_clear_errors():
         make_schedule("1f1b", 2, 2, 2)
     with pytest.raises(ValueError, match="m \\(micro-batches\\) must be an int >= 1"):
         gpipe(2, 0)
+
+
+def test_a_user_built_schedule_is_type_checked():
+    with pytest.raises(TypeError, match="expected a Schedule, got list"):
+        validate([[Action("F", 0)]])
+    with pytest.raises(TypeError, match="stage 0 action #1 \\('B', 0\\) is not an Action"):
+        validate(Schedule("mine", 1, 1, 1, False, [[Action("F", 0), ("B", 0)]]))
+    with pytest.raises(ValueError, match="m \\(micro-batches\\) must be an int >= 1"):
+        validate(Schedule("mine", 1, 0, 1, False, [[]]))
