@@ -8,14 +8,22 @@ At the boundaries the paper's conjugate pair g / g-bar replaces Megatron's f / g
     entering a TP block   g      forward: all-gather along S    backward: reduce-scatter
     leaving a TP block    g-bar  forward: reduce-scatter along S  backward: all-gather
 
-An all-reduce is a reduce-scatter plus an all-gather, so the bytes are exactly those of the four
-all-reduces per layer; what changes is that every activation outside the TP blocks shrinks by R.
+An all-reduce is a reduce-scatter plus an all-gather, so g and g-bar move exactly the bytes of
+the four all-reduces, 8 (R-1)/R B S H w per layer per micro-batch, and every activation outside
+the TP blocks shrinks by R. The inputs of the column-parallel linears (LN outputs, gathered to
+(B, S, H)) are still needed by the backward. Keeping the gathered copies (``regather=False``)
+leaves those two tensors at full S: the same bytes as TP, less memory. Megatron's default
+(section 4.2.2: store only this rank's sequence slice of such an input and all-gather it again in
+the backward) adds 2 all-gathers per layer, (R-1)/R B S H w each (+25% bytes), for every
+activation at S/R. parallel/tp_cost.py counts all three; examples/04 shows them side by
+side, measured.
 
 Layout: activations are (B, S, H) but the collectives cut axis 0, so each crossing moves the
 sequence to the front, (S, B, H), contiguous; rank r owns positions r*S/R .. (r+1)*S/R - 1.
 The LayerNorm (and row-parallel bias, and position-embedding) gradients of a rank cover only its
 positions, so after the backward they are summed over the group: ``reduce_partial_grads``.
-Shape letters: B batch, S full sequence, H d_model, R the tensor-parallel group size.
+Shape letters: B batch, S full sequence, H d_model, R the tensor-parallel group size;
+w the itemsize of the activations.
 """
 
 from __future__ import annotations

@@ -23,9 +23,10 @@ Activations held by one block between forward and backward (cf. emulator/flops.p
   MoE: drop "m" (one H; the router keeps its own copy) and 2F; add moe_group_bytes per group
   with F -> F/t. "selective" recompute drops the w (A/t) B S^2 probabilities.
 With w = 2, s = 4, F = 4H, this is s b h (8 + 24/t + 2 a s/(h t)) + 8 b s without SP and
-s b h/t (32 + 2 a s/h) + 8 b s/t with it: Megatron's s b h (10 + 24/t + 5 a s/(h t)) and
-s b h/t (34 + 5 a s/h) (Korthikanti et al. 2022, eqs. 2 and 4) without the dropout masks and
-outputs, and with one stored softmax instead of the three tensors around attention dropout.
+s b h/t (32 + 2 a s/h) + 8 b s/t with it (``closed_form_16bit``): Megatron's s b h (10 + 24/t +
+5 a s/(h t)) and s b h/t (34 + 5 a s/h) (Korthikanti et al. 2022, eqs. 2 and 4;
+``megatron_activation_bytes``) without the dropout masks and outputs, and with one stored softmax
+instead of the three tensors around attention dropout.
 """
 
 from __future__ import annotations
@@ -50,14 +51,23 @@ def hidden_all_reduce_bytes(cfg, B, S, t) -> int:
     return 2 * (t - 1) * B * S * cfg.d_model * _w_s(cfg)[0] // t
 
 
+def layer_rows(cfg, B, S, t, *, sp=False, regather=True, rank=0) -> dict:
+    """One block, one micro-batch, forward + backward: the bytes one rank sends (= receives), by
+    ledger tag. "boundary": f and g (4 all-reduces) or, under SP, g and g-bar (2 all-gathers + 2
+    reduce-scatters, each half an all-reduce): the same 8 (t-1)/t B S H w either way.
+    "regather": SP's backward all-gathers (2, or 1 in an MoE block). "gates": MoE only."""
+    ar = hidden_all_reduce_bytes(cfg, B, S, t)
+    gates = cost.ring_all_reduce(B * S * cfg.moe_top_k, t, _w_s(cfg)[1], rank)[0]
+    return {
+        "boundary": 4 * ar,
+        "regather": (1 if cfg.is_moe else 2) * ar // 2 if sp and regather else 0,
+        "gates": gates if cfg.is_moe else 0,
+    }
+
+
 def layer_bytes(cfg, B, S, t, *, sp=False, regather=True, rank=0) -> int:
     """Bytes one rank sends (= receives) for one block, forward + backward, one micro-batch."""
-    total = 4 * hidden_all_reduce_bytes(cfg, B, S, t)
-    if sp and regather:
-        total += (1 if cfg.is_moe else 2) * hidden_all_reduce_bytes(cfg, B, S, t) // 2
-    if cfg.is_moe:
-        total += cost.ring_all_reduce(B * S * cfg.moe_top_k, t, _w_s(cfg)[1], rank)[0]
-    return total
+    return sum(layer_rows(cfg, B, S, t, sp=sp, regather=regather, rank=rank).values())
 
 
 def embed_bytes(cfg, B, S, t) -> int:
@@ -117,3 +127,29 @@ def block_activation_bytes(cfg, B, S, t, *, sp=False, regather=True, recompute="
         sizes = [B * S] if group_sizes is None else group_sizes
         acts += sum(moe_group_bytes(tp_cfg, N) for N in sizes)
     return acts + stats + probs
+
+
+def closed_form_16bit(b, s, h, a, t, *, sp=False, regather=True) -> int:
+    """This model's dense block (F = 4h) in 16 bit (w = 2, statistics s = 4 bytes): the table
+    above in Megatron's letters, equal to block_activation_bytes of a "mixed" config.
+      no SP            sbh (8 + 24/t + 2as/(ht)) + 8bs
+      SP (regather)    sbh/t (32 + 2as/h) + 8bs/t
+      SP, kept inputs  sbh (4 + 28/t + 2as/(ht)) + 8bs/t"""
+    if not sp:
+        return (s * b * h * (8 * t + 24) + 2 * a * s * s * b) // t + 8 * b * s
+    kept = 4 * t - 4 if not regather else 0  # the two gathered linear inputs, 2 sbh each
+    return (s * b * h * (32 + kept) + 2 * a * s * s * b + 8 * b * s) // t
+
+
+def megatron_activation_bytes(b, s, h, a, t, *, sp=False, regather=True) -> int:
+    """Korthikanti et al. 2022 (section 4), one transformer layer, 16 bit, with dropout:
+      tensor parallel, eq. 2         sbh (10 + 24/t + 5as/(ht))
+      + sequence parallel, eq. 4     sbh/t (34 + 5as/h)
+      + SP keeping the all-gathered inputs of the QKV and first MLP linears (2 sbh each) whole
+      instead of re-gathering them (not in the paper): sbh (4 + 30/t + 5as/(ht)).
+    The difference to ``closed_form_16bit``: 2 sbh of dropout masks (attention output, MLP
+    output) and 3 as^2b of softmax dropout (mask + output) that this model has no dropout for."""
+    if not sp:
+        return (s * b * h * (10 * t + 24) + 5 * a * s * s * b) // t
+    kept = 4 * t - 4 if not regather else 0
+    return (s * b * h * (34 + kept) + 5 * a * s * s * b) // t

@@ -94,6 +94,11 @@ class DataParallelSync:
             self.engine.zero_grad()
         return norm
 
+    def close(self) -> None:
+        """Free the DDP / ZeRO-1 engine's memory-ledger entries (idempotent)."""
+        if self.engine is not None:
+            self.engine.close()
+
     def full_state(self) -> tuple[dict, dict]:
         """(master params, last summed grads), this rank's TP shards (gathered over dp if ZeRO)."""
         if self.stage == "1":

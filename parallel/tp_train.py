@@ -20,6 +20,7 @@ from emulator.data import split_microbatches
 from emulator.model import block_params, check_inputs, init_params, to_compute
 from parallel.dp_common import loss_scales
 from parallel.dp_train import check_layout
+from parallel.moe_routing import decisions
 from parallel.sequence import reduce_partial_grads
 from parallel.shard import shard, unshard
 from parallel.tensor import check_tp, megatron_plan, tp_block_backward, tp_block_forward
@@ -87,27 +88,32 @@ class TPRun:
     local_grads: dict  # this rank's shards of ``grads``
     act_bytes: dict  # activations/<name> bytes of every block of the last micro-batch
     memory: dict  # this rank's MemoryLedger snapshot
+    routing: list  # MoE: [step][reference micro-batch][block] -> moe_routing.decisions(...)
 
 
 def tp_train(mesh, cfg, seed, batches, steps, *, sequence_parallel=False, regather=True,
              microbatches=1, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-             max_norm=None, recompute="none", groups_fn=None, dp_stage=None) -> TPRun:  # fmt: skip
+             max_norm=None, recompute="none", groups_fn=None, dp_stage=None,
+             params=None) -> TPRun:  # fmt: skip
     """Train on a Mesh with a "tp" axis (and optionally "dp"), or a Comm (all ranks are tp).
 
     ``batches(step) -> (tokens, targets)``: the step's global batch; dp rank d takes rows
     d B/D .. and splits them into ``microbatches`` (its micro-batch j is the reference's
     micro-batch d k + j when the reference runs with D k micro-batches). ``dp_stage``: "ddp"
-    (default when dp > 1) or "1" (ZeRO-1), parallel/tp_dp.py. Returns full-shape params and
-    grads (gathered uncounted with allgather_object).
+    (default when dp > 1) or "1" (ZeRO-1), parallel/tp_dp.py. ``params``: full-shape initial
+    parameters (default init_params(cfg, seed)), as reference_train's. Returns full-shape params
+    and grads (gathered uncounted with allgather_object) and the MoE routing decisions
+    (parallel/moe_routing.py compares them with the reference's).
     """
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh, tp=mesh.world_size)
     tp, t, sp = mesh["tp"], mesh.size("tp"), sequence_parallel
     check_tp(cfg, t)
     plan = megatron_plan(cfg)
-    params = shard(init_params(cfg, seed), plan, tp.rank, t)  # this rank's master shards
+    full = init_params(cfg, seed) if params is None else params
+    params = shard(full, plan, tp.rank, t)  # this rank's master shards (copies)
     hyper = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
     sync = DataParallelSync(mesh, params, plan, cfg, dp_stage, max_norm=max_norm, **hyper)
-    mem, losses, norms, k = mesh.comm.memory, [], [], microbatches
+    mem, losses, norms, k, routing = mesh.comm.memory, [], [], microbatches, []
     for step in range(steps):
         mesh.comm.ledger.step = step
         tokens, targets = check_inputs(
@@ -120,6 +126,7 @@ def tp_train(mesh, cfg, seed, batches, steps, *, sequence_parallel=False, regath
         groups = [groups_fn(step, g, b, S) if groups_fn else None for g in range(sync.D * k)]
         n_groups = [1 if g is None else len(g) for g in groups]
         compute, shares = sync.compute_params(to_compute), []
+        routing.append([])
         for j, (tk, tg) in enumerate(mbs):
             g_id = sync.rank * k + j  # the reference's micro-batch number
             ce_denom, aux_scale = loss_scales(tokens.size, n_groups[g_id], sum(n_groups))
@@ -129,6 +136,8 @@ def tp_train(mesh, cfg, seed, batches, steps, *, sequence_parallel=False, regath
                 prefix=f"mb{j}.",
             )  # fmt: skip
             act = {n: mem.nbytes("activations", n) for n in mem.live("activations")}
+            if cfg.is_moe:
+                routing[-1].append([decisions(c["moe"]["groups"]) for c in cache["blocks"]])
             sync.feed(tp_model_backward(tp, cache, params), last=j == k - 1)
             shares.append(mb_loss)
         acc = sync.gradients()
@@ -142,4 +151,9 @@ def tp_train(mesh, cfg, seed, batches, steps, *, sequence_parallel=False, regath
     every = tp.allgather_object((master, grads))  # uncounted: the check, not the training
     full_p = unshard([e[0] for e in every], plan)
     full_g = unshard([e[1] for e in every], plan)
-    return TPRun(losses, norms, full_g, full_p, grads, act, mem.snapshot())
+    if sync.dp is not None:  # every micro-batch, in the reference's order (d k + j)
+        per_dp = sync.dp.allgather_object(routing)
+        routing = [[mb for d in per_dp for mb in d[step]] for step in range(steps)]
+    run = TPRun(losses, norms, full_g, full_p, grads, act, mem.snapshot(), routing)
+    sync.close()  # free the dp engine's memory entries: another run may follow on these ranks
+    return run

@@ -113,3 +113,26 @@ def test_backward_reads_its_cache_and_never_writes_it(moe):
         return same, c["q"][0] is None
 
     assert emulator.spawn(fn, 2, timeout=30) == [(True, True)] * 2
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    t=st.sampled_from([1, 2, 3, 4, 8]),
+    heads_per_rank=st.integers(1, 3),
+    head_dim=st.integers(1, 4),
+    b=st.integers(1, 3),
+    seq_per_rank=st.integers(1, 4),
+)
+def test_16bit_closed_forms_and_megatron_differ_by_dropout_only(t, heads_per_rank, head_dim, b, seq_per_rank):  # fmt: skip
+    """block_activation_bytes of a mixed (16-bit) dense block with F = 4h is the closed form in
+    Megatron's letters; Megatron's eqs. 2/4 add exactly the dropout masks and outputs (2 sbh and
+    3 as^2b, sharded as the paper shards them) and keep no LayerNorm statistics (8 bs)."""
+    a, s = heads_per_rank * t, seq_per_rank * t
+    h = a * head_dim
+    cfg = ModelConfig(vocab_size=t, max_seq_len=s, d_model=h, n_heads=a, n_layers=1, dtype="mixed")
+    for sp, rg in ((False, True), (True, True), (True, False)):
+        ours = tp_cost.closed_form_16bit(b, s, h, a, t, sp=sp, regather=rg)
+        assert ours == tp_cost.block_activation_bytes(cfg, b, s, t, sp=sp, regather=rg)
+        mega = tp_cost.megatron_activation_bytes(b, s, h, a, t, sp=sp, regather=rg)
+        dropout = (2 * s * b * h if not sp else 2 * s * b * h // t) + 3 * a * s * s * b // t
+        assert mega - ours == dropout - (8 * b * s if not sp else 8 * b * s // t)
