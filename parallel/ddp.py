@@ -42,6 +42,7 @@ class DDP:
         self.comm, self.mem = dp_comm, mem
         self.dtype = compute_dtype(dtype)  # gradients (and the wire) in the compute dtype
         shapes = {n: tuple(p.shape) for n, p in local_params.items()}
+        self.position = {n: i for i, n in enumerate(shapes)}  # parameter order
         self.layouts = make_buckets(shapes, dp_comm.size, bucket_cap_mb, self.dtype.itemsize)
         self.buckets = [Bucket(b.index, b.names, b.numel, b.padded) for b in self.layouts]
         self.acc = GradAccumulator(self.layouts, self.dtype)

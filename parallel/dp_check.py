@@ -25,9 +25,48 @@ from __future__ import annotations
 
 import itertools
 
+from emulator.flops import activation_bytes_per_block
 from emulator.precision import compute_dtype, master_dtype
 
 PAPER = {"ddp": "16 Psi", "1": "4 Psi + 12 Psi/D", "2": "2 Psi + 14 Psi/D", "3": "16 Psi/D"}
+# elements on the wire per step at k = 1 (ZeRO section 7: all-reduce = RS + AG = 2 Psi; ZeRO-3
+# adds one all-gather: 3 Psi), and the k-scaled count this code moves (see step_bytes)
+PAPER_WIRE = {"ddp": "2 Psi", "1": "2 Psi", "2": "2 Psi", "3": "3 Psi"}
+
+
+def wire_elements(stage, k=1, reshard_after_forward=True) -> int:
+    """Multiple of Psi moved per step (send side, before the (D-1)/D of the ring): 2, 2, k+1,
+    3k (2k without resharding); at k = 1 the paper's 2, 2, 2, 3 (2 for the no-reshard variant)."""
+    stage = str(stage)
+    if stage in ("ddp", "1"):
+        return 2
+    if stage == "2":
+        return k + 1
+    return k * (2 if reshard_after_forward else 1) + k
+
+
+def paper_figures(stage, psi: int, psi_pad: int, D: int, dtype, k=1, reshard=True) -> dict:
+    """The paper's numbers beside this run's: bytes sent per rank per step at k = 1 from the real
+    Psi (may be fractional), the same from Psi_pad (an integer), the k-scaled bytes this run
+    moves, and the static memory 2c + K per parameter (mixed: c = 2, K = 12 -> 16 Psi, 4 Psi +
+    12 Psi/D, 2 Psi + 14 Psi/D, 16 Psi/D; float64: c = 8, K = 16) from Psi and as allocated
+    (flat buffers padded to Psi_pad; DDP's gradient buckets only: (c + K) Psi + c Psi_pad)."""
+    stage = str(stage)
+    c, m = compute_dtype(dtype).itemsize, master_dtype(dtype).itemsize
+    K = 2 * m + m * (dtype == "mixed")  # Adam m, v (+ the fp32 master copy)
+    w1, wk = wire_elements(stage, 1, reshard), wire_elements(stage, k, reshard)
+    mem = {"ddp": lambda p: (2 * c + K) * p, "1": lambda p: 2 * c * p + K * p / D,
+           "2": lambda p: c * p + (c + K) * p / D, "3": lambda p: (2 * c + K) * p / D}[stage]  # fmt: skip
+    return {
+        "bytes k=1 (Psi)": w1 * psi * c * (D - 1) / D,
+        "bytes k=1 (Psi_pad)": w1 * psi_pad * c * (D - 1) // D,
+        f"bytes k={k} (Psi_pad)": wk * psi_pad * c * (D - 1) // D,
+        "memory (Psi)": mem(psi),
+        # as allocated: flat buffers are padded; DDP's replicated model and AdamW are not
+        "memory (Psi_pad)": (c + K) * psi + c * psi_pad if stage == "ddp" else mem(psi_pad),
+        "c": c,
+        "K": K,
+    }
 
 
 def step_bytes(stage, layouts, dtype, microbatches=1, reshard_after_forward=True) -> dict:
@@ -81,3 +120,26 @@ def peak_fsdp(layouts, n_layers: int, dtype, reshard_after_forward=True, prefetc
         "params": static["params"] + (root + live) * c,
         "grads": static["grads"] + (root + max(blocks)) * c,
     }
+
+
+def peak_memory(stage, layouts, n_params: int, cfg, b: int, S: int, *, reshard_after_forward=True,
+                prefetch=False, recompute="none") -> dict:  # fmt: skip
+    """Peak bytes per category over a step (static state included):
+    ddp, zero-1  params, grads: the static state (nothing transient is allocated)
+    zero-2       grads: static shards + ONE bucket's full gradient, max_i padded_i c. The
+                 backward produces gradients in exactly reverse parameter order, the bucket
+                 order, and a bucket is reduce-scattered and freed the moment its last
+                 gradient arrives - before the next bucket's first - so one is live at a time
+    zero-3       peak_fsdp (the root unit + one / two / all gathered blocks)
+    activations  L blocks of one micro-batch (b = B / (D k) rows; micro-batches run one
+                 after another): L * emulator.flops.activation_bytes_per_block(cfg, b, S)
+    """
+    stage, c = str(stage), compute_dtype(cfg.dtype).itemsize
+    static = static_memory(stage, layouts, n_params, cfg.dtype)
+    peak = {"params": static["params"], "grads": static["grads"]}
+    if stage == "2":
+        peak["grads"] += max(lay.padded for lay in layouts) * c
+    if stage == "3":
+        peak |= peak_fsdp(layouts, cfg.n_layers, cfg.dtype, reshard_after_forward, prefetch)
+    peak["activations"] = cfg.n_layers * activation_bytes_per_block(cfg, b, S, recompute)
+    return peak

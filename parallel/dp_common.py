@@ -23,6 +23,8 @@ from emulator.model import (
     head_forward,
 )
 
+from .moe_routing import decisions
+
 
 def loss_scales(global_tokens: int, my_groups: int, all_groups: int) -> tuple[int, float]:
     """(ce_denom, aux_scale) of one micro-batch on one dp rank (see the module docstring)."""
@@ -50,6 +52,14 @@ def rebind(obj, table: dict):
     return obj
 
 
+def backward_order(grads, position: dict) -> list:
+    """Gradient names in the order a backward produces them: reverse parameter order
+    (position: {name: index in the parameter dict}), the order DDP / ZeRO buckets are built in
+    (flat.make_buckets), whatever order a layer's backward returned its dict in. Then a bucket
+    is complete before the next one's first gradient arrives (one transient bucket at a time)."""
+    return sorted(grads, key=position.__getitem__, reverse=True)
+
+
 class Hooks:
     """The layout's say in a step. Layers: "embed", "blocks.i", "head" (forward order)."""
 
@@ -71,11 +81,13 @@ def layers(cfg) -> list[str]:
 
 
 def microbatch_step(hooks: Hooks, tokens, targets, cfg, *, ce_denom, aux_scale, groups=None,
-                    recompute="none", mem=None, mem_prefix=""):  # fmt: skip
+                    recompute="none", mem=None, mem_prefix="", routing=None):  # fmt: skip
     """One micro-batch forward + backward, layer by layer; the loss is the rank's share.
 
     Same arithmetic, in the same order, as emulator.model.model_forward / model_backward, so a
-    rank's gradients are bitwise the reference's for the same micro-batch.
+    rank's gradients are bitwise the reference's for the same micro-batch. `routing` (a list,
+    MoE only): each block's decisions (parallel.moe_routing.decisions: the kept (N, E) experts
+    of each routing group) are appended, in layer order; not available with recompute="full".
     """
     caches, used, aux = {}, {}, []
     p = used["embed"] = hooks.pre_forward("embed")
@@ -87,6 +99,8 @@ def microbatch_step(hooks: Hooks, tokens, targets, cfg, *, ce_denom, aux_scale, 
         kw = {"recompute": recompute, "groups": groups, "mem": mem, "name": mem_prefix + name}
         x, caches[name] = block_forward(block_params(p, i), x, cfg, **kw)
         aux.append(caches[name]["aux"])
+        if routing is not None and "moe" in caches[name]["saved"]:
+            routing.append(decisions(caches[name]["saved"]["moe"][0]))
         hooks.post_forward(name)
     p = used["head"] = hooks.pre_forward("head")
     ce, caches["head"] = head_forward(p, x, targets, cfg, denom=ce_denom)

@@ -37,6 +37,7 @@ class DPRun:
     layouts: list  # the flat buffers (DDP buckets, ZeRO buckets or FSDP units)
     memory: dict  # this rank's MemoryLedger.snapshot() at the end (before the run frees it)
     comm_order: list  # step 0: distinct dp/grads and dp/params ledger tags in issue order
+    routing: list  # MoE: [step][global micro-batch][layer] -> (B_mb S, K) experts chosen
 
 
 def check_layout(stage, D: int, batch: int, microbatches: int) -> str:
@@ -84,7 +85,7 @@ def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microba
                                bucket_cap_mb=bucket_cap_mb, units=units, mem=mem, **hyper)  # fmt: skip
         opt = None
     try:
-        run = DPRun(stage, [], [], {}, {}, {}, [], engine.layouts, {}, [])
+        run = DPRun(stage, [], [], {}, {}, {}, [], engine.layouts, {}, [], [])
         for step in range(steps):
             _step(comm, cfg, engine, opt, params, run, step, batches, microbatches, groups_fn,
                   max_norm, reshard_after_forward, prefetch, recompute)  # fmt: skip
@@ -119,7 +120,7 @@ def _step(comm, cfg, engine, opt, params, run, step, batches, k, groups_fn, max_
                           prefetch=prefetch)  # fmt: skip
     else:  # DDP computes with the compute-dtype copy of the (updated) master
         hooks = ReplicatedHooks(to_compute(params, cfg) if opt else engine.params, engine)
-    shares = []
+    shares, routing = [], [[] for _ in mbs]
     for j, (t, y) in enumerate(mbs):
         ce_denom, aux_scale = loss_scales(tokens.size, n_groups[r * k + j], sum(n_groups))
         last = j == k - 1
@@ -128,7 +129,10 @@ def _step(comm, cfg, engine, opt, params, run, step, batches, k, groups_fn, max_
             shares.append(microbatch_step(
                 hooks, t, y, cfg, ce_denom=ce_denom, aux_scale=aux_scale,
                 groups=groups[r * k + j], recompute=recompute, mem=mem, mem_prefix=f"mb{j}.",
+                routing=routing[j],
             ))  # fmt: skip
+    if cfg.is_moe:  # every micro-batch's routing, in the reference's order r k + j (uncounted)
+        run.routing.append([mb for every in comm.allgather_object(routing) for mb in every])
     total = 0.0
     for share in (s for every in comm.allgather_object(shares) for s in every):
         total += share  # the reference's order: micro-batch r k + j

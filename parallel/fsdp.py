@@ -17,7 +17,7 @@ other unit, so the volume is exactly 3 Psi (PyTorch skips that reshard for the r
 
 from __future__ import annotations
 
-from .dp_common import Hooks, layers
+from .dp_common import Hooks, backward_order, layers
 
 
 class FSDPHooks(Hooks):
@@ -54,7 +54,7 @@ class FSDPHooks(Hooks):
         return self._get(layer, self.bwd, "bwd")
 
     def post_backward(self, layer: str, grads: dict) -> None:
-        for name in reversed(list(grads)):
+        for name in backward_order(grads, self.opt.position):
             self.opt.grad_ready(name, grads[name], f"bwd:{layer}")
         u = self.unit[layer]
         if self.bwd_last[u] == layer:
@@ -72,5 +72,5 @@ class ReplicatedHooks(Hooks):
         return self.params
 
     def post_backward(self, layer: str, grads: dict) -> None:
-        for name in reversed(list(grads)):
+        for name in backward_order(grads, self.sink.position):
             self.sink.grad_ready(name, grads[name], f"bwd:{layer}")

@@ -26,6 +26,7 @@ from emulator.optim import adamw_update
 from emulator.precision import compute_dtype, down, master_dtype, up
 
 from .clip import global_grad_norm, scale_
+from .dp_common import backward_order
 from .flat import GradAccumulator, make_buckets, make_layout
 
 STAGES = (1, 2, 3)
@@ -48,6 +49,7 @@ class ZeroOptimizer:
         self.mixed = self.cdt != self.mdt
         D, r = dp_comm.size, dp_comm.rank
         shapes = {n: tuple(p.shape) for n, p in local_params.items()}
+        self.position = {n: i for i, n in enumerate(shapes)}  # parameter order
         if units is None:
             units = make_buckets(shapes, D, bucket_cap_mb, self.cdt.itemsize)
         else:  # name lists -> layouts (FSDP units)
@@ -137,7 +139,7 @@ class ZeroOptimizer:
     def step(self, local_grads: dict | None = None) -> float:
         """Reduce-scatter (stage 1) -> clip -> AdamW on the owned shards -> all-gather (1, 2).
         Returns the global gradient norm before clipping."""
-        for name in reversed(list(local_grads or {})):  # the backward's order
+        for name in backward_order(local_grads or {}, self.position):
             self.grad_ready(name, local_grads[name], "step")
         if self.acc.seen:
             raise ValueError(f"ZeroOptimizer.step: incomplete gradients for units "

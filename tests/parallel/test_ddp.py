@@ -6,12 +6,11 @@ import numpy as np
 import pytest
 
 import emulator
-from emulator.model import init_params, n_params
+from emulator.model import init_params
 from parallel.ddp import DDP
-from parallel.dp_check import static_memory, step_bytes
 from parallel.dp_train import train_data_parallel
 
-from .dp_helpers import assert_matches, run_both, tiny
+from .dp_helpers import assert_matches, check_formulas, run_both, tiny
 
 
 @pytest.mark.parametrize(("D", "k", "cap"), [(4, 2, 0.001), (2, 1, 25.0), (1, 2, 0.002)])
@@ -19,12 +18,7 @@ def test_ddp_equals_reference_and_formulas(D, k, cap):
     cfg = tiny()
     runs, ref = run_both(cfg, D, stage="ddp", microbatches=k, bucket_cap_mb=cap, steps=3)
     assert_matches(runs[0], ref)
-    want = step_bytes("ddp", runs[0].layouts, "float64", k)
-    for r in runs:  # every rank, every step: exactly 2 Psi_pad (D-1)/D * 8 bytes each way
-        for sb in r.step_bytes:
-            assert sb["grads"] == (want["grads"], want["grads"]) and sb["params"] == (0, 0)
-        mem = static_memory("ddp", r.layouts, n_params(cfg), "float64")
-        assert {c: r.memory["current"][c] for c in mem} == mem
+    check_formulas(runs, cfg, "ddp", k=k)  # 2 Psi_pad (D-1)/D * 8 bytes each way; memory
 
 
 def test_buckets_reverse_order_cap_and_padding():
