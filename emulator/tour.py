@@ -26,6 +26,8 @@ RUNS = [
     ("03_data_parallel.py", 4, ["--stage", "3"]),
     ("03_data_parallel.py", 4, ["--stage", "3", "--dtype", "mixed", "--prefetch"]),
     ("03_data_parallel.py", 3, ["--stage", "3", "--no-reshard", "--batch", "12"]),
+    ("03_data_parallel.py", 4, ["--stage", "2", "--dtype", "float32"]),
+    ("03_data_parallel.py", 4, ["--stage", "1", "--dtype", "mixed", "--moe"]),
     ("04_tensor_parallel.py", 4, ["--tp", "4"]),
     ("04_tensor_parallel.py", 4, ["--tp", "4", "--sequence-parallel"]),
     ("04_tensor_parallel.py", 4, ["--tp", "2", "--dp", "2"]),
