@@ -36,6 +36,8 @@ RUNS = [
     ("05_pipeline.py", 4, ["--pp", "4", "--microbatches", "8", "--schedule", "interleaved"]),
     ("05_pipeline.py", 4, ["--pp", "4", "--microbatches", "8", "--schedule", "zb-h1"]),
     ("05_pipeline.py", 4, ["--pp", "2", "--dp", "2", "--dp-mode", "zero1", "--schedule", "zb-h1"]),
+    ("05_pipeline.py", 4, ["--pp", "4", "--microbatches", "2", "--schedule", "zb-h1"]),
+    ("05_pipeline.py", 4, ["--dtype", "mixed", "--max-norm", "0", "--schedule", "interleaved"]),
 ]
 
 
