@@ -3,49 +3,63 @@
     python -m emulator run -n 4 examples/04_tensor_parallel.py --tp 4
     python -m emulator run -n 4 examples/04_tensor_parallel.py --tp 4 --sequence-parallel
     python -m emulator run -n 4 examples/04_tensor_parallel.py --tp 2 --dp 2 [--dp-stage 1]
+    python -m emulator run -n 4 examples/04_tensor_parallel.py --tp 2 --dp 2 --moe --dtype mixed
+    python -m emulator run -n 4 examples/04_tensor_parallel.py --tp 4 --moe --top-k 4 --dtype mixed
     mpiexec -n 4 python examples/04_tensor_parallel.py --tp 4
 
 Trains a small model with wq/wk/wv and w1 column-parallel, wo and w2 row-parallel (Shoeybi et
-al. 2019, section 3), a vocabulary-parallel embedding and cross-entropy, optionally sequence
-parallel regions (Korthikanti et al. 2022, section 4.2.2) and data parallelism on a dp x tp mesh.
-Then checks: loss, every gradient and parameter vs emulator.reference.reference_train; per rank,
-the bytes of each layer (four all-reduces of B S H, or the same bytes as all-gathers and
-reduce-scatters), of the embedding, head, SP gradient sum and clip norm, and the activation
-bytes of each block, each beside its formula (parallel/tp_cost.py). Exits 1 on any mismatch.
+al. 2019, section 3), a vocabulary-parallel embedding and cross-entropy, on a dp x tp mesh, three
+times: TP alone; TP + sequence parallelism (Korthikanti et al. 2022, section 4.2.2) as Megatron
+does it, re-gathering the S/t slices in the backward; and SP keeping the gathered inputs
+(--no-regather). Each run is checked against emulator.reference.reference_train in the same dtype
+(parallel/tp_compare.py: measured tolerances; MoE routing first). Printed, beside its formula
+(parallel/tp_cost.py): every rank's bytes per layer per micro-batch and per step for the mode the
+flags select; then the three modes side by side per layer per micro-batch - the bytes of f/g or
+g/g-bar, of the re-gather, and the activation bytes per block - with this model's 16-bit closed
+form and Megatron's eqs. 2 and 4 at this run's b, s, h, a, t. Exits 1 on any mismatch.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import emulator
-from emulator.check import compare_run, verdict
+from emulator.check import verdict
 from emulator.data import synthetic_batch
-from emulator.flops import megatron_activation_bytes
 from emulator.ledger import format_table
 from emulator.model import ModelConfig, param_shapes
-from emulator.precision import compute_dtype
+from emulator.precision import arith_dtype, compute_dtype
 from emulator.reference import reference_train
 from parallel import tp_cost
 from parallel.dp_check import step_bytes as dp_step_bytes
 from parallel.flat import make_buckets
+from parallel.moe_routing import reference_routes
 from parallel.shard import describe, local_shape
 from parallel.tensor import megatron_plan
+from parallel.tp_compare import compare_tp
 from parallel.tp_train import tp_train
 
-TEXT = {  # the formulas of parallel/tp_cost.py, per rank, k micro-batches, w bytes per element
-    "blocks": "k (4 x 2(t-1)/t b s h w) [+ SP regather 2 (t-1)/t b s h w]",
-    "embed": "k (2(t-1)/t b s h w)",
-    "head": "k (2(t-1)/t b s h w + ring AR of b s and 2 b s fp)",
-    "sp/grads": "SP: ring AR of L 6h + 2h + T h",
-    "clip": "ring AR of one float64",
-    "dp": "DDP 2 (D-1)/D P_pad w; ZeRO-1 RS + AG, the same (dp_check.step_bytes)",
-}
-RTOL = {"float64": 1e-12, "float32": 1e-4, "mixed": 0.1}  # not bitwise: sums in another order
-# attn.bk's gradient is 0 up to rounding (emulator.check.compare): ~1e-19 of the largest gradient
-# in float64, ~1e-11 in float32, ~1e-6 in bf16, where the smallest real one (attn.bq) is ~3e-4
-NOISE = {"float64": 1e-6, "float32": 1e-6, "mixed": 1e-4}
+MODES = {"TP": (False, True), "SP": (True, True), "SP no-regather": (True, False)}
+LEGEND = """formulas (parallel/tp_cost.py), per rank; w bytes per activation, s per statistic:
+  blocks.i  per micro-batch 4 x 2(t-1)/t bshw [SP re-gather + 2 x (t-1)/t bshw; MoE + 1 ring
+            all-reduce of bsK gate gradients, s bytes each]
+  embed     per micro-batch 2(t-1)/t bshw;  head: 2(t-1)/t bshw + ring all-reduces of bs and 2bs
+            s-byte elements (CE max, sum-exp and target logit)
+  sp/grads  per step, SP only: ring all-reduce of L 6h + 2h + T h partial gradients, w bytes
+  clip      per step: ring all-reduce of one float64 (ZeRO-1: inside dp, not counted here)
+  dp        per step: DDP 2 (D-1)/D P_pad w; ZeRO-1 reduce-scatter + all-gather, the same"""
+
+FORMULAS = [  # activation bytes of one block per rank, parallel/tp_cost.py
+    ["TP", "w bs(4h + (4h + 2F)/t) + 2s bs + w(a/t)bs^2", "sbh(8 + 24/t + 2as/(ht)) + 8bs",
+     "eq. 2: sbh(10 + 24/t + 5as/(ht))"],
+    ["SP", "w bs(8h + 2F)/t + 2s bs/t + w(a/t)bs^2", "sbh/t(32 + 2as/h) + 8bs/t",
+     "eq. 4: sbh/t(34 + 5as/h)"],
+    ["SP no-regather", "w bs(2h + (6h + 2F)/t) + 2s bs/t + w(a/t)bs^2",
+     "sbh(4 + 28/t + 2as/(ht)) + 8bs/t", "sbh(4 + 30/t + 5as/(ht)) (eq. 4 + gathered inputs)"],
+    ["", "MoE: parallel/tp_cost.py", "", "+ dropout masks 2sbh, 3as^2b; no LN statistics"],
+]  # fmt: skip
 
 
 def parse(argv=None):
@@ -53,96 +67,167 @@ def parse(argv=None):
     p.add_argument("--tp", type=int, default=4)
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--dp-stage", choices=["ddp", "1"], default="ddp")
-    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--sequence-parallel", action="store_true", help="the per-rank table's mode")
     p.add_argument("--no-regather", action="store_true", help="SP: keep gathered inputs")
     p.add_argument("--moe", action="store_true", help="experts split like the dense MLP")
-    p.add_argument("--dtype", choices=list(RTOL), default="float64")
+    p.add_argument("--top-k", type=int, default=2, help="MoE: experts per token (of 4)")
+    p.add_argument("--dtype", choices=["float64", "float32", "mixed"], default="float64")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--microbatches", type=int, default=2)
     return p.parse_args(argv)
 
 
+def measure(L, records, cfg, k) -> dict:
+    """This rank's sent bytes of one step: per layer and micro-batch by kind, per step by row."""
+    got = {}
+    for i in range(cfg.n_layers):
+        for j in range(k):
+            mine = L.select(records, tag=f"blocks.{i}/mb{j}/*", direction="send")
+            kind = {x: sum(r.nbytes for r in mine if r.tag.endswith(f"/{x}"))
+                    for x in ("regather", "gates")}  # fmt: skip
+            kind["boundary"] = sum(r.nbytes for r in mine) - sum(kind.values())
+            got[i, j] = kind
+    for x in ("embed", "head"):
+        got[x] = [L.sent(records, tag=f"{x}/mb{j}/*") for j in range(k)]
+    for x, tag in (("sp/grads", "sp/grads"), ("clip", "clip"), ("dp", ("dp/grads*", "dp/params*"))):
+        tags = tag if isinstance(tag, tuple) else (tag,)
+        got[x] = sum(L.sent(records, tag=t) for t in tags)
+    return got
+
+
 def make_main(a):
     cfg = ModelConfig(vocab_size=32, max_seq_len=16, d_model=32, n_heads=8, n_layers=2,
-                      n_experts=4 if a.moe else 0, moe_top_k=2, dtype=a.dtype)  # fmt: skip
-    B, S, k, sp, rg = 4 * a.dp, 8, a.microbatches, a.sequence_parallel, not a.no_regather
-    b = B // (a.dp * k)  # the micro-batch one rank runs
+                      n_experts=4 if a.moe else 0, moe_top_k=a.top_k, dtype=a.dtype)  # fmt: skip
+    B, S, k, t = 4 * a.dp, 8, a.microbatches, a.tp
+    b, H, A, L_ = B // (a.dp * k), cfg.d_model, cfg.n_heads, cfg.n_layers  # b: one micro-batch
+    main_mode = "TP" if not a.sequence_parallel else "SP no-regather" if a.no_regather else "SP"
+    w, s_ = compute_dtype(a.dtype).itemsize, arith_dtype(compute_dtype(a.dtype)).itemsize
 
     def batches(step):
         return synthetic_batch(11, step, B, S, cfg.vocab_size)
 
     def main(comm) -> int:
-        mesh = emulator.Mesh(comm, dp=a.dp, tp=a.tp)
-        plan = megatron_plan(cfg)
-        t, r = a.tp, mesh.coord("tp")
-        ref = reference_train(cfg, 0, batches, a.steps, microbatches=a.dp * k, max_norm=1.0)
-        run = tp_train(mesh, cfg, 0, batches, a.steps, sequence_parallel=sp, regather=rg,
-                       microbatches=k, max_norm=1.0, dp_stage=a.dp_stage)  # fmt: skip
-        atol = None if a.dtype == "float64" else 2 * 1e-3 * a.steps  # 2 lr per step, see there
-        worst, problems = compare_run(  # the same on every rank: full-shape, gathered
-            run, ref, RTOL[a.dtype], param_atol=atol, noise_floor=NOISE[a.dtype]
-        )
-        L, last = comm.ledger, a.steps - 1
-        got = {f"blocks.{i}": L.sent(L.select(tag=f"blocks.{i}/*", step=last)) for i in range(2)}
-        got |= {
-            x: L.sent(L.select(tag=f"{x}*", step=last))
-            for x in ("embed", "head", "sp/grads", "clip")
-        }
-        want = tp_cost.step_bytes(cfg, b * k, S, t, sp=sp, regather=rg, microbatches=k, rank=r)
-        want_layer = k * tp_cost.layer_bytes(cfg, b, S, t, sp=sp, regather=rg, rank=r)
-        zero = a.dp > 1 and a.dp_stage == "1"
-        if zero:  # ZeRO-1 takes the clip norm over dp and tp itself ("dp/clip", its formula)
-            want["clip"] = 0
-        got["dp"] = L.sent(L.select(tag="dp/grads*", step=last)) + L.sent(
-            L.select(tag="dp/params*", step=last))  # fmt: skip
+        mesh = emulator.Mesh(comm, dp=a.dp, tp=t)
+        r, plan, L = mesh.coord("tp"), megatron_plan(cfg), comm.ledger
+        kw = {"microbatches": a.dp * k, "max_norm": 1.0}
+        ref = reference_train(cfg, 0, batches, a.steps, **kw)
+        routing = reference_routes(cfg, 0, batches, a.steps, **kw) if a.moe else None
         shapes = {n: local_shape(x, plan[n], t, n) for n, x in param_shapes(cfg).items()}
-        layouts = make_buckets(shapes, a.dp, 25.0, compute_dtype(cfg.dtype).itemsize)
-        want["dp"] = sum(dp_step_bytes(a.dp_stage, layouts, cfg.dtype, k).values())
-        rows, bad = [], []  # bad: this rank's bytes that differ from their formula
-        for key, w in [("blocks.0", want_layer), ("blocks.1", want_layer)] + [
-            (x, want[x]) for x in ("embed", "head", "sp/grads", "clip", "dp")
-        ]:
-            if got[key] != w:
-                bad.append(f"rank {comm.rank}: {key} bytes {got[key]} != formula {w}")
-            rows.append(
-                [key, got[key], w, TEXT[key.split(".")[0]], "ok" if got[key] == w else "BAD"]
-            )
-        act = tp_cost.block_activation_bytes(cfg, b, S, t, sp=sp, regather=rg)
-        act_got = run.act_bytes[f"mb{k - 1}.blocks.0"]
-        if any(v != act for v in run.act_bytes.values()):
-            bad.append(f"rank {comm.rank}: activation bytes {run.act_bytes} != {act} per block")
-        every = comm.allgather_object((comm.rank, mesh.coords, rows, act_got, act, bad))
-        problems += [msg for e in every for msg in e[-1]]
+        layouts = make_buckets(shapes, a.dp, 25.0, w)
+        mine, notes, problems = {}, {}, []
+        for mode, (sp, rg) in MODES.items():
+            mark = L.mark()
+            run = tp_train(mesh, cfg, 0, batches, a.steps, sequence_parallel=sp, regather=rg,
+                           microbatches=k, max_norm=1.0, dp_stage=a.dp_stage)  # fmt: skip
+            _, p, notes[mode] = compare_tp(run, ref, a.dtype, routing, cfg.moe_top_k)
+            problems += [f"{mode}: {m}" for m in p]
+            got = measure(L, L.select(L.since(mark), step=a.steps - 1), cfg, k)
+            want = tp_cost.step_bytes(cfg, b * k, S, t, sp=sp, regather=rg, microbatches=k,
+                                      rank=r)  # fmt: skip
+            want["layer"] = tp_cost.layer_rows(cfg, b, S, t, sp=sp, regather=rg, rank=r)
+            want["embed"], want["head"] = want["embed"] // k, want["head"] // k  # per micro-batch
+            if a.dp > 1 and a.dp_stage == "1":  # ZeRO-1 takes the clip norm over dp and tp itself
+                want["clip"] = 0
+            want["dp"] = sum(dp_step_bytes(a.dp_stage, layouts, cfg.dtype, k).values())
+            act = tp_cost.block_activation_bytes(cfg, b, S, t, sp=sp, regather=rg)
+            bad = [f"{key}: {got[key]} != {want['layer']}" for key in got
+                   if isinstance(key, tuple) and got[key] != want["layer"]]  # fmt: skip
+            bad += [f"{x}: {got[x]} != {want[x]}" for x in ("sp/grads", "clip", "dp")
+                    if got[x] != want[x]]  # fmt: skip
+            bad += [f"{x}: {got[x]} != {want[x]} per micro-batch" for x in ("embed", "head")
+                    if got[x] != [want[x]] * k]  # fmt: skip
+            bad += [f"activations {n} {v} != {act}" for n, v in run.act_bytes.items() if v != act]
+            mine[mode] = (got, want, run.act_bytes[f"mb{k - 1}.blocks.0"], act)
+            problems += [f"{mode}, rank {comm.rank}: {m}" for m in bad]
+        every = comm.allgather_object((comm.rank, mesh.coords, mine, problems))
         if comm.rank == 0:
-            print(f"mesh dp={a.dp} x tp={t}, sequence_parallel={sp}, regather={rg}, "
-                  f"moe={a.moe}, dtype={a.dtype}, micro-batch b={b} S={S} H={cfg.d_model}")  # fmt: skip
-            print(describe(megatron_plan(cfg), dict(list(param_shapes(cfg).items())[:16]), t))
-            table = [[g, c["dp"], c["tp"], *row] for g, c, rws, *_ in every for row in rws]
-            print(f"\nbytes sent per rank in the last step ({k} micro-batches; received is equal)")
-            print(format_table(["rank", "dp", "tp", "what", "ledger", "formula", "", ""], table))
-            one = megatron_activation_bytes(b, S, cfg.d_model, cfg.n_heads)
-            modes = {"no SP": (False, True), "SP": (True, True), "SP kept": (True, False)}
-            side = {m: tp_cost.block_activation_bytes(cfg, b, S, t, sp=x, regather=y)
-                    for m, (x, y) in modes.items()}  # fmt: skip
-            print("\nactivation bytes per block per rank by formula: " + ", ".join(
-                f"{m} {v}" for m, v in side.items()))  # fmt: skip
-            print(f"\nactivation bytes per block per rank: ledger {every[0][3]}, formula "
-                  f"{every[0][4]} (single rank: {tp_cost.block_activation_bytes(cfg, b, S, 1)}; "
-                  f"Megatron's 16-bit s b h (34 + 5 a s / h) at t=1 would be {one:.0f})")  # fmt: skip
-            for msg in problems:
-                print("MISMATCH:", msg)
-            param = f"param {worst['param']:.1e}"
-            if atol is not None:
-                param = f"param max |diff| {worst['param']:.1e} (<= {atol:.0e})"
-            checked = (
-                f"tp={t} dp={a.dp} sp={sp} {a.dtype}, {a.steps} steps: max rel diff vs reference "
-                f"(rtol {RTOL[a.dtype]:.0e}) loss {worst['loss']:.1e}, grad {worst['grad']:.1e}, "
-                f"{param}; layer/embed/head/SP/clip/dp bytes ({sum(r[2] for r in rows)} B/step "
-                f"sent by rank 0) and activation bytes ({act}/block) == formulas on {len(every)} "
-                "ranks"
-            )
-            print(verdict(problems, checked))
+            report(every, notes)
+            failures = list(dict.fromkeys(m for e in every for m in e[3]))
+            for m in failures:
+                print("MISMATCH:", m)
+            print(verdict(failures, summary(every, notes)))
         return 0 if not problems else 1
+
+    def report(every, notes):
+        print(f"mesh dp={a.dp} x tp={t}, moe={a.moe}, dtype={a.dtype} (w={w} B per activation, "
+              f"s={s_} B per statistic); micro-batch b={b} s={S} h={H} a={A}, k={k} "
+              f"micro-batches, L={L_} layers")  # fmt: skip
+        print(describe(megatron_plan(cfg), dict(list(param_shapes(cfg).items())[:16]), t))
+        rows = []
+        for rank, coords, mine, _ in every:
+            got, want, *_ = mine[main_mode]
+            per_mb = {f"blocks.{i}": [sum(got[i, j].values()) for j in range(k)] for i in range(L_)}
+            per_mb |= {x: got[x] for x in ("embed", "head")}
+            one = {x: want[x] for x in ("embed", "head")} | dict.fromkeys(
+                [f"blocks.{i}" for i in range(L_)], sum(want["layer"].values()))  # fmt: skip
+            where = [rank, coords["dp"], coords["tp"]]
+            for x, per in per_mb.items():
+                rows.append([*where, x, "/".join(map(str, per)), one[x], sum(per), k * one[x]])
+            rows += [[*where, x, "-", "-", got[x], want[x]] for x in ("sp/grads", "clip", "dp")]
+        print(f"\n{main_mode}: bytes sent per rank in the last step, per micro-batch (mb 0/1/..) "
+              "and per step (received is equal)")  # fmt: skip
+        head = [
+            "rank",
+            "dp",
+            "tp",
+            "what",
+            "ledger/mb",
+            "formula/mb",
+            "ledger/step",
+            "formula/step",
+        ]
+        print(format_table(head, rows))
+        print(LEGEND)
+        side_by_side(every)
+        for mode, note in notes.items():
+            print(f"{mode}: {note}")
+        if any("FLIPPED" in n for n in notes.values()):
+            print("(bf16 decided a near tie of the router differently; docs/CONTRACTS.md, 'MoE in "
+                  "lower precision'. With --top-k 4 = E every token goes to every expert: nothing "
+                  "can flip and everything is compared.)")  # fmt: skip
+
+    def side_by_side(every):
+        ar = 2 * (t - 1) * b * S * H * w // t
+        print(f"\nper layer per micro-batch, bytes sent per rank (= received); one all-reduce of "
+              f"(b, s, h) is 2(t-1)/t bshw = {ar} B")  # fmt: skip
+        rows = {}  # ranks with the same figures share a row
+        for mode in MODES:
+            for rank, _, mine, _ in every:
+                got, want, *_ = mine[mode]
+                g, f = got[0, 0], want["layer"]
+                row = (mode, g["boundary"], f["boundary"], g["regather"], f["regather"],
+                       g["gates"], f["gates"], sum(g.values()), L_ * k * sum(g.values()))  # fmt: skip
+                rows.setdefault(row, []).append(str(rank))
+        head = ["mode", "ranks", "f/g or g/g-bar", "4 x AR", "re-gather", "formula", "MoE gates",
+                "formula", "layer", "L layers x k mb"]  # fmt: skip
+        print(format_table(head, [[x[0], ",".join(rk), *x[1:]] for x, rk in rows.items()]))
+        print("f/g: 4 all-reduces. g/g-bar: 2 all-gathers + 2 reduce-scatters, forward and "
+              "backward, each half an all-reduce:\nthe same bytes. SP's re-gather: 2 all-gathers "
+              "in the backward (1 in an MoE block), (t-1)/t bshw each.")  # fmt: skip
+        rows = []
+        base = every[0][2]["TP"][3]
+        for mode, (sp, rg) in MODES.items():
+            _, want, led, formula = every[0][2][mode]
+            c16 = tp_cost.block_activation_bytes(dataclasses.replace(cfg, dtype="mixed"), b, S, t,
+                                                 sp=sp, regather=rg)  # fmt: skip
+            mega = "n/a (MoE)" if a.moe else tp_cost.megatron_activation_bytes(
+                b, S, H, A, t, sp=sp, regather=rg)  # fmt: skip
+            rows.append([mode, led, formula, base - led, want["layer"]["regather"], c16, mega])
+        print(f"\nactivation bytes per block per rank, this run: w={w} B per activation, {s_} B "
+              f"per statistic (every rank: ledger == formula)")  # fmt: skip
+        head = ["mode", "ledger", "formula", "saved vs TP", "for +B/layer/mb", "this model 16-bit",
+                "Megatron 16-bit"]  # fmt: skip
+        print(format_table(head, rows))
+        mega = "Megatron: 16-bit, dropout (Korthikanti et al. 2022)"
+        print(format_table(["mode", "formula (w, s)", "16-bit: w=2, s=4, F=4h", mega], FORMULAS))
+
+    def summary(every, notes):
+        layer = "/".join(str(sum(every[0][2][m][0][0, 0].values())) for m in MODES)
+        act = "/".join(str(every[0][2][m][2]) for m in MODES)
+        return (f"tp={t} dp={a.dp} {a.dtype}{' moe' if a.moe else ''}; TP, SP, SP no-regather "
+                f"trained {a.steps} steps each, {main_mode}: {notes[main_mode]}; bytes per layer "
+                f"per micro-batch ({layer} B), embed, head, SP grads, clip, dp and activation bytes "
+                f"per block ({act} B) == formulas on {len(every)} ranks")  # fmt: skip
 
     return main
 

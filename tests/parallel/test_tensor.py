@@ -1,9 +1,10 @@
 """Tensor parallelism vs the single-rank reference: losses, every gradient, parameters after
-several steps, bytes per layer and activation bytes against their formulas (parallel/tp_cost.py)."""
+several steps, bytes per layer per micro-batch and activation bytes against their formulas
+(parallel/tp_cost.py); float32, mixed precision and MoE by parallel/tp_compare.py's rule."""
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import emulator
@@ -12,32 +13,47 @@ from emulator.data import synthetic_batch
 from emulator.model import ModelConfig
 from emulator.reference import reference_train
 from parallel import tp_cost
+from parallel.dp_compare import update_l2
+from parallel.moe_routing import reference_routes
 from parallel.tensor import check_tp, f_backward, f_forward, g_backward, g_forward
+from parallel.tp_compare import compare_tp
 from parallel.tp_train import tp_train
 
 STEPS = 3
 
 
-def run(cfg, t, B, S, *, sp=False, regather=True, microbatches=1, max_norm=None, recompute="none"):
-    """tp_train on t virtual ranks beside reference_train; -> (runs, ref, ledger figures)."""
+def run(cfg, t, B, S, *, sp=False, regather=True, microbatches=1, max_norm=None, recompute="none",
+        routing=False):  # fmt: skip
+    """tp_train on t virtual ranks beside reference_train; -> (runs, ref[, reference routing]).
+    Each run carries its last step's ledger figures: ``mb_bytes[i, j]`` = (sent, received) of
+    block i in micro-batch j, ``tag_bytes`` by row, ``total``."""
     batches = lambda s: synthetic_batch(7, s, B, S, cfg.vocab_size)
     kw = {"microbatches": microbatches, "max_norm": max_norm, "recompute": recompute}
     ref = reference_train(cfg, 3, batches, STEPS, **kw)
 
     def fn(comm):
         r = tp_train(comm, cfg, 3, batches, STEPS, sequence_parallel=sp, regather=regather, **kw)
-        L = comm.ledger
-        layer = [L.select(tag=f"blocks.{i}/*", step=STEPS - 1) for i in range(cfg.n_layers)]
-        r.layer_bytes = [(L.sent(x), L.received(x)) for x in layer]
+        L, last = comm.ledger, STEPS - 1
+        r.mb_bytes = {}
+        for i in range(cfg.n_layers):
+            for j in range(microbatches):
+                x = L.select(tag=f"blocks.{i}/mb{j}/*", step=last)
+                r.mb_bytes[i, j] = (L.sent(x), L.received(x))
+        r.layer_bytes = [(L.sent(x), L.received(x)) for x in
+                         (L.select(tag=f"blocks.{i}/*", step=last) for i in range(cfg.n_layers))]  # fmt: skip
         r.tag_bytes = {
-            tag: L.sent(L.select(tag=tag, step=STEPS - 1))
+            tag: L.sent(L.select(tag=tag, step=last))
             for tag in ("embed/*", "head/*", "sp/grads", "clip")
         }
-        r.total = L.sent(L.select(step=STEPS - 1))
+        r.total = L.sent(L.select(step=last))
         r.rank = comm.rank
         return r
 
-    return emulator.spawn(fn, t, timeout=30), ref
+    runs = emulator.spawn(fn, t, timeout=30)
+    if routing:
+        kw.pop("recompute")
+        return runs, ref, reference_routes(cfg, 3, batches, STEPS, **kw)
+    return runs, ref
 
 
 def assert_matches(runs, ref, rtol):
@@ -46,30 +62,78 @@ def assert_matches(runs, ref, rtol):
     return worst
 
 
-@settings(max_examples=6, deadline=None)
+def assert_bytes(runs, cfg, b, S, t, k, *, sp=False, regather=True):
+    """Every rank: each block, each micro-batch = layer_bytes; the step = step_bytes."""
+    for r in runs:
+        want = tp_cost.layer_bytes(cfg, b, S, t, sp=sp, regather=regather, rank=r.rank)
+        assert r.mb_bytes == {key: (want, want) for key in r.mb_bytes}
+        rows = tp_cost.step_bytes(cfg, b * k, S, t, sp=sp, regather=regather, microbatches=k,
+                                  rank=r.rank)  # fmt: skip
+        assert r.tag_bytes["embed/*"] == rows["embed"] and r.tag_bytes["head/*"] == rows["head"]
+        assert r.tag_bytes["sp/grads"] == rows["sp/grads"] and r.tag_bytes["clip"] == rows["clip"]
+        assert r.total == rows["total"]
+
+
+@settings(max_examples=25, deadline=None)
 @given(
-    t=st.sampled_from([1, 2, 4]),
+    t=st.sampled_from([1, 2, 3, 4]),
     heads_per_rank=st.integers(1, 2),
     head_dim=st.integers(1, 3),
     ff_per_rank=st.integers(1, 5),
     vocab_per_rank=st.integers(1, 6),
     S=st.integers(1, 6),
-    B=st.integers(1, 3),
+    b=st.integers(1, 2),
+    k=st.integers(1, 3),
     layers=st.integers(1, 2),
+    max_norm=st.sampled_from([None, 0.05]),
 )
-def test_tp_training_equals_reference(t, heads_per_rank, head_dim, ff_per_rank, vocab_per_rank, S, B, layers):  # fmt: skip
+def test_tp_training_equals_reference(t, heads_per_rank, head_dim, ff_per_rank, vocab_per_rank, S, b, k, layers, max_norm):  # fmt: skip
     A = heads_per_rank * t
+    assume(A * head_dim >= 4)  # LayerNorm over H <= 2 is degenerate: its output is +-1 or 0
     cfg = ModelConfig(vocab_size=vocab_per_rank * t, max_seq_len=8, d_model=A * head_dim,
                       n_heads=A, n_layers=layers, d_ff=ff_per_rank * t)  # fmt: skip
-    runs, ref = run(cfg, t, B, S)
-    assert_matches(runs, ref, 1e-12)
-    for r in runs:  # four all-reduces of (B, S, H) per layer, exactly; the rest by its formula
-        want = tp_cost.layer_bytes(cfg, B, S, t)
-        assert want == 8 * (t - 1) * B * S * cfg.d_model * 8 // t
-        assert r.layer_bytes == [(want, want)] * layers
-        rows = tp_cost.step_bytes(cfg, B, S, t, rank=r.rank)
-        assert r.tag_bytes["embed/*"] == rows["embed"] and r.tag_bytes["head/*"] == rows["head"]
-        assert r.total == rows["total"]
+    runs, ref = run(cfg, t, b * k, S, microbatches=k, max_norm=max_norm)
+    # losses and gradients 1e-12; parameters 5e-12, not 1e-12 (measured over 500 random
+    # configurations of this space: grads <= 3.7e-14, params <= 2.2e-12, 99% <= 2.3e-14).
+    # Adam's step lr g / (|g| + eps) has slope lr eps / (|g| + eps)^2, 4e4 where an entry's
+    # gradient cancels to ~eps (ln1.bias: 5.6e-9 beside 8.3e-4): one ulp of the tensor's
+    # gradient becomes 5.6e-15 of its parameter. parallel/tp_compare.py, TOL["float64"].
+    _, problems, _ = compare_tp(runs[0], ref, "float64")
+    assert not problems, "\n".join(problems)
+    assert np.allclose(runs[0].grad_norms, ref.grad_norms, rtol=1e-12, atol=0)
+    # four all-reduces of (b, S, H) per layer per micro-batch, exactly; the rest by its formula
+    assert tp_cost.layer_bytes(cfg, b, S, t) == 8 * (t - 1) * b * S * cfg.d_model * 8 // t
+    assert_bytes(runs, cfg, b, S, t, k)
+    act = tp_cost.block_activation_bytes(cfg, b, S, t)
+    assert runs[0].act_bytes == {f"mb{k - 1}.blocks.{i}": act for i in range(layers)}
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    dtype=st.sampled_from(["float32", "mixed"]),
+    t=st.sampled_from([1, 2, 3, 4]),
+    sp=st.booleans(),
+    regather=st.booleans(),
+    moe=st.booleans(),
+    width=st.integers(1, 2),
+    ff=st.integers(1, 4),
+    vocab=st.integers(1, 2),
+    k=st.integers(1, 2),
+)
+def test_lower_precision_and_robust_moe_by_the_measured_rule(dtype, t, sp, regather, moe, width, ff, vocab, k):  # fmt: skip
+    """parallel/tp_compare.py's measured bounds (losses, per-tensor gradient L2, whole-model
+    update L2), on the space they were measured on: 12 heads, H 12 or 24, S 12 (bf16 MoE in
+    tinier models leaves a K = E router's gradient up to 0.97 off). MoE with K = E (every token
+    to every expert, capacity for all): routing cannot flip; the test asserts it did not."""
+    cfg = ModelConfig(vocab_size=12 * vocab, max_seq_len=12, d_model=12 * width, n_heads=12,
+                      n_layers=2, d_ff=12 * ff, n_experts=3 if moe else 0, moe_top_k=3,
+                      dtype=dtype)  # fmt: skip
+    runs, ref, *routing = run(cfg, t, 2 * k, 12, sp=sp, regather=regather, microbatches=k,
+                              max_norm=1.0, routing=moe)  # fmt: skip
+    _, problems, note = compare_tp(runs[0], ref, dtype, routing[0] if moe else None, 3)
+    assert not problems, "\n".join(problems)
+    assert "FLIPPED" not in note
+    assert_bytes(runs, cfg, 2, 12, t, k, sp=sp, regather=regather)
 
 
 def test_tp_with_microbatches_clipping_and_memory_formula():
@@ -108,15 +172,18 @@ def test_moe_experts_split_like_the_dense_mlp():
         assert r.act_bytes["mb0.blocks.0"] == tp_cost.block_activation_bytes(cfg, B, S, t)
 
 
-@pytest.mark.parametrize("dtype,rtol", [("float32", 2e-5), ("mixed", 0.1)])
-def test_lower_precision_within_tolerance(dtype, rtol):
+@pytest.mark.parametrize("dtype,rtol,update", [("float32", 2e-5, 1e-3), ("mixed", 0.1, 0.1)])
+def test_lower_precision_within_tolerance(dtype, rtol, update):
     """Not bitwise: tp sums partial products in another order (and rounds them to bf16 in mixed
-    mode before the all-reduce), so only a tolerance holds. The loss is the tight check."""
+    mode before the all-reduce), so only a tolerance holds. Losses, every gradient and the
+    parameter UPDATES (whole-model relative L2: parallel/tp_compare.py has the measured bounds;
+    it replaced the bound |p - p_ref| <= 2 lr per step, which a rank skipping an update passes)."""
     cfg = ModelConfig(vocab_size=8, max_seq_len=8, d_model=8, n_heads=2, n_layers=2, dtype=dtype)
     runs, ref = run(cfg, 2, 2, 4)
-    assert np.allclose(runs[0].losses, ref.losses, rtol=rtol / 10 if dtype == "float32" else 1e-2)
-    _, problems = compare_run(runs[0], ref, rtol, param_atol=2e-3 * STEPS)
+    assert np.allclose(runs[0].losses, ref.losses, rtol=rtol / 10 if dtype == "float32" else 5e-4)
+    _, problems = compare_run(runs[0], ref, rtol, param_atol=np.inf)  # params: by update below
     assert not problems, "\n".join(problems)
+    assert update_l2(runs[0].params, ref.params, ref.init_params) <= update
 
 
 def test_replicated_gradients_are_bitwise_identical_across_ranks():

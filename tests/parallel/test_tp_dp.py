@@ -12,8 +12,10 @@ from emulator.reference import reference_train
 from parallel import tp_cost
 from parallel.dp_check import step_bytes
 from parallel.flat import make_buckets
+from parallel.moe_routing import reference_routes
 from parallel.shard import local_shape
 from parallel.tensor import megatron_plan
+from parallel.tp_compare import compare_tp
 from parallel.tp_train import tp_train
 
 
@@ -61,3 +63,43 @@ def test_unknown_dp_stage_is_refused():
             2,
             timeout=30,
         )
+
+
+def _dp_tp_run(cfg, stage, D=2, T=2, k=2, seed=11):
+    B, S = 4 * D, 8
+    batches = lambda s: synthetic_batch(seed, s, B, S, cfg.vocab_size)
+    kw = {"microbatches": D * k, "max_norm": 1.0}
+    ref = reference_train(cfg, 0, batches, 3, **kw)
+    routing = reference_routes(cfg, 0, batches, 3, **kw) if cfg.is_moe else None
+
+    def fn(comm):
+        mesh = emulator.Mesh(comm, dp=D, tp=T)
+        return tp_train(mesh, cfg, 0, batches, 3, microbatches=k, max_norm=1.0, dp_stage=stage)
+
+    return emulator.spawn(fn, D * T, timeout=30), ref, routing
+
+
+@pytest.mark.parametrize("stage", ["ddp", "1"])
+def test_dp_x_tp_mixed_moe_with_robust_routing(stage):
+    """K = E: nothing can flip, so the whole run is compared at tp_compare's mixed bounds."""
+    cfg = ModelConfig(vocab_size=32, max_seq_len=16, d_model=32, n_heads=8, n_layers=2,
+                      n_experts=4, moe_top_k=4, dtype="mixed")  # fmt: skip
+    runs, ref, routing = _dp_tp_run(cfg, stage)
+    for r in runs:
+        _, problems, note = compare_tp(r, ref, "mixed", routing, 4)
+        assert not problems and note.startswith("routing identical"), (note, problems)
+
+
+def test_a_bf16_routing_flip_is_a_near_tie_and_only_earlier_losses_compare():
+    """examples/04's dp 2 x tp 2 MoE (K = 2 of 4, default router): in mixed precision bf16 decides
+    one near tie differently at step 0 (TP's forward sums in another order), so nothing numeric
+    is comparable and compare_tp says so; in float64 the same run routes identically."""
+    base = {"vocab_size": 32, "max_seq_len": 16, "d_model": 32, "n_heads": 8, "n_layers": 2,
+            "n_experts": 4, "moe_top_k": 2}  # fmt: skip
+    runs, ref, routing = _dp_tp_run(ModelConfig(**base, dtype="mixed"), "ddp")
+    worst, problems, note = compare_tp(runs[0], ref, "mixed", routing, 2)
+    assert not problems and "FLIPPED at step 0" in note and "near ties" in note, note
+    assert "no loss, gradient or parameter is comparable" in note and worst == {"loss": 0.0}
+    runs, ref, routing = _dp_tp_run(ModelConfig(**base), "ddp")
+    _, problems, note = compare_tp(runs[0], ref, "float64", routing, 2)
+    assert not problems and note.startswith("routing identical"), note
