@@ -11,6 +11,7 @@ can only see its own recorder (the other ranks report theirs when they time out)
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
 import time
 
@@ -47,23 +48,25 @@ class MPIComm(Comm):
 
     # -- waiting with a deadline ----------------------------------------------------------------
     def _wait(self, done, what: str) -> None:
-        # Spin first (latency), then yield the core on every poll (ranks often outnumber cores),
-        # then sleep briefly so a long wait does not burn a core. Never wait without a deadline.
+        # Poll, giving the core away between polls: ranks often outnumber cores (4 ranks on a
+        # 2-core laptop), and a spinning rank would starve the peer it waits for. sched_yield
+        # returns at once when nothing else is runnable; after 50 ms we sleep between polls so
+        # a long wait does not burn a core. Never wait without a deadline.
         start = time.monotonic()
         deadline = start + self.world.timeout
-        spins = 0
         while not done():
-            spins += 1
-            if spins > 100:
-                now = time.monotonic()
-                time.sleep(0 if now - start < 0.05 else 2e-4)
-                if now > deadline:
-                    raise CommTimeout(
-                        f"rank {self.state.rank} waited {self.world.timeout:g} s {what} in "
-                        f"group {self.name!r} (a hang: some rank skipped a call or is stuck). "
-                        f"Under MPI each rank reports its own flight recorder:\n  "
-                        f"{self.state.flight()}"
-                    )
+            now = time.monotonic()
+            if now - start < 0.05:
+                os.sched_yield()
+            else:
+                time.sleep(2e-4)
+            if now > deadline:
+                raise CommTimeout(
+                    f"rank {self.state.rank} waited {self.world.timeout:g} s {what} in "
+                    f"group {self.name!r} (a hang: some rank skipped a call or is stuck). "
+                    f"Under MPI each rank reports its own flight recorder:\n  "
+                    f"{self.state.flight()}"
+                )
 
     # -- data plane -----------------------------------------------------------------------------
     def _post(self, array: np.ndarray, dst: int) -> None:
