@@ -119,9 +119,11 @@ def bench_mpi(args) -> int:
             x = _input(op, n, p, comm.rank)
             out = np.empty(n // p if op == "reduce_scatter" else n, np.float32)
             it = _iters(nbytes, args.budget)
-            ours_fn(comm, x)  # warm-up
-            ours = timed(lambda f=ours_fn, x=x: f(comm, x), it)
-            theirs = timed(native(op, x, out), it)
+            mine, nat = (lambda f=ours_fn, x=x: f(comm, x)), native(op, x, out)
+            mine(), nat()  # warm-up
+            # 3 interleaved rounds, best median of each: a shared machine disturbs single rounds
+            rounds = [(timed(mine, it), timed(nat, it)) for _ in range(3)]
+            ours, theirs = min(r[0] for r in rounds), min(r[1] for r in rounds)
             row = _row(op, 4 * n, ours, p) + _row(op, 4 * n, theirs, p)[2:]
             rows.append(row + [f"{ours / theirs:.2f}x"])
     if comm.rank == 0:
@@ -177,19 +179,27 @@ def bench_virtual(args) -> int:
     xs = [
         np.random.default_rng(r).standard_normal(args.max // 4).astype(np.float32) for r in range(p)
     ]
-    ts = []
-    for _ in range(3):
+
+    def baseline() -> float:
         t0 = time.perf_counter()
         acc = xs[0].copy()
         for x in xs[1:]:
             np.add(acc, x, out=acc)
         _ = [acc.copy() for _ in range(p)]
-        ts.append(time.perf_counter() - t0)
-    base = float(np.median(ts))
-    ours = emulator.spawn(job, p, _ours("all_reduce", args.algorithm), xs, 3, timeout=120)[0]
+        return time.perf_counter() - t0
+
+    # Interleave the two in 5 rounds and compare the best of each: on a shared 2-core machine a
+    # single round is often disturbed, and the minimum is the least disturbed measurement.
+    base, ours = [], []
+    for _ in range(5):
+        base.append(baseline())
+        ours.append(emulator.spawn(job, p, _ours("all_reduce", args.algorithm), xs, 1)[0])
+    b, o = min(base), min(ours)
     print(
-        f"\n{_fmt_size(args.max)} over {p} virtual ranks: all_reduce {ours * 1e3:.1f} ms vs NumPy "
-        f"sum of {p} buffers + {p} copies {base * 1e3:.1f} ms: ratio {ours / base:.2f}x (goal <= 3x)"
+        f"\n{_fmt_size(args.max)} over {p} virtual ranks, best of 5 interleaved rounds: all_reduce "
+        f"{o * 1e3:.1f} ms vs NumPy sum of {p} buffers + {p} copies {b * 1e3:.1f} ms: ratio "
+        f"{o / b:.2f}x (goal <= 3x; medians {np.median(ours) * 1e3:.1f} / "
+        f"{np.median(base) * 1e3:.1f} ms)"
     )
 
     small = [np.ones(256, np.float32)] * args.many
