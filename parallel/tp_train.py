@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from emulator import Mesh, scope
 from emulator.data import split_microbatches
 from emulator.model import block_params, check_inputs, init_params, to_compute
@@ -89,6 +91,20 @@ class TPRun:
     act_bytes: dict  # activations/<name> bytes of every block of the last micro-batch
     memory: dict  # this rank's MemoryLedger snapshot
     routing: list  # MoE: [step][reference micro-batch][block] -> moe_routing.decisions(...)
+    replica_mismatch: list  # "param/grad <name>" of replicated tensors whose tp copies differ
+
+
+def replica_mismatch(every: list, plan: dict) -> list[str]:
+    """every: [(params, grads) of each tp rank] -> the replicated tensors whose copies are not
+    bitwise equal. Every rank computes them from the same full activations (or sums the SP
+    partials with one all-reduce) and steps them with the same AdamW, so they agree exactly; a
+    rank that skips or repeats an update of its copy shows here whatever the dtype."""
+    bad = []
+    for i, what in enumerate(("param", "grad")):
+        for n, x in every[0][i].items():
+            if not plan[n].sharded and any(not np.array_equal(x, e[i][n]) for e in every[1:]):
+                bad.append(f"{what} {n}")
+    return bad
 
 
 def tp_train(mesh, cfg, seed, batches, steps, *, sequence_parallel=False, regather=True,
@@ -102,8 +118,9 @@ def tp_train(mesh, cfg, seed, batches, steps, *, sequence_parallel=False, regath
     micro-batch d k + j when the reference runs with D k micro-batches). ``dp_stage``: "ddp"
     (default when dp > 1) or "1" (ZeRO-1), parallel/tp_dp.py. ``params``: full-shape initial
     parameters (default init_params(cfg, seed)), as reference_train's. Returns full-shape params
-    and grads (gathered uncounted with allgather_object) and the MoE routing decisions
-    (parallel/moe_routing.py compares them with the reference's).
+    and grads (gathered uncounted with allgather_object), the MoE routing decisions
+    (parallel/moe_routing.py compares them with the reference's) and the replicated tensors
+    whose copies differ across tp ranks (none in a correct run).
     """
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh, tp=mesh.world_size)
     tp, t, sp = mesh["tp"], mesh.size("tp"), sequence_parallel
@@ -154,6 +171,7 @@ def tp_train(mesh, cfg, seed, batches, steps, *, sequence_parallel=False, regath
     if sync.dp is not None:  # every micro-batch, in the reference's order (d k + j)
         per_dp = sync.dp.allgather_object(routing)
         routing = [[mb for d in per_dp for mb in d[step]] for step in range(steps)]
-    run = TPRun(losses, norms, full_g, full_p, grads, act, mem.snapshot(), routing)
+    bad = replica_mismatch(every, plan)
+    run = TPRun(losses, norms, full_g, full_p, grads, act, mem.snapshot(), routing, bad)
     sync.close()  # free the dp engine's memory entries: another run may follow on these ranks
     return run

@@ -15,7 +15,8 @@ from parallel.flat import make_buckets
 from parallel.moe_routing import reference_routes
 from parallel.shard import local_shape
 from parallel.tensor import megatron_plan
-from parallel.tp_compare import compare_tp
+from parallel.tp_compare import TOL, compare_tp
+from parallel.tp_dp import DataParallelSync
 from parallel.tp_train import tp_train
 
 
@@ -77,6 +78,49 @@ def _dp_tp_run(cfg, stage, D=2, T=2, k=2, seed=11):
         return tp_train(mesh, cfg, 0, batches, 3, microbatches=k, max_norm=1.0, dp_stage=stage)
 
     return emulator.spawn(fn, D * T, timeout=30), ref, routing
+
+
+def _mutant_step(kind):
+    """DataParallelSync.step with a bug; its collectives still run. "frozen": every ln1.bias and
+    attn.bo is restored after each update (never trains); "skip": tp rank 1 keeps its
+    parameters as they were before its last (3rd) update."""
+    step = DataParallelSync.step
+
+    def mutant(self, grads):
+        if kind == "frozen":
+            names = [n for n in self.params if n.endswith(("ln1.bias", "attn.bo"))]
+        else:
+            names = list(self.params) if self.tp.rank == 1 and self.opt.step_count == 2 else []
+        keep = {n: self.params[n].copy() for n in names}
+        norm = step(self, grads)
+        for n, p in keep.items():
+            self.params[n][...] = p
+        return norm
+
+    return mutant
+
+
+@pytest.mark.parametrize("D,T", [(2, 2), (1, 4)])
+def test_mixed_precision_rejects_frozen_tensors_and_a_rank_skipping_its_update(monkeypatch, D, T):
+    """examples/04's dense model in mixed precision. Both mutants passed the old whole-model
+    bounds (update L2 0.096 / 0.10 < 0.125). Frozen: 1.0 per tensor (bound 0.6). Skipped last
+    update: the replicas differ bitwise, and the update L2 is >= 0.149 (154 measured runs, tp
+    2-4, dense and MoE; bound 0.08)."""
+    cfg = ModelConfig(vocab_size=32, max_seq_len=16, d_model=32, n_heads=8, n_layers=2,
+                      dtype="mixed")  # fmt: skip
+    stage = "ddp" if D > 1 else None
+    runs, ref, _ = _dp_tp_run(cfg, stage, D=D, T=T)
+    worst, problems, note = compare_tp(runs[0], ref, "mixed")
+    assert not problems, (note, problems)
+    monkeypatch.setattr(DataParallelSync, "step", _mutant_step("frozen"))
+    worst, problems, _ = compare_tp(_dp_tp_run(cfg, stage, D=D, T=T)[0][0], ref, "mixed")
+    frozen = [f"blocks.{i}.{n}" for i in range(2) for n in ("ln1.bias", "attn.bo")]
+    assert [p.split()[2] for p in problems if p.startswith("update of")] == frozen, problems
+    assert worst["per-tensor update"] == 1.0 and worst["update L2"] < 0.125  # old bound passed
+    monkeypatch.setattr(DataParallelSync, "step", _mutant_step("skip"))
+    worst, problems, _ = compare_tp(_dp_tp_run(cfg, stage, D=D, T=T)[0][0], ref, "mixed")
+    assert any(p.startswith("replicas differ") for p in problems), problems
+    assert worst["update L2"] > 1.5 * TOL["mixed"]["update"], worst
 
 
 @pytest.mark.parametrize("stage", ["ddp", "1"])
