@@ -32,7 +32,11 @@ RUNS = [
     ("04_tensor_parallel.py", 4, ["--tp", "2", "--dp", "2"]),
     ("04_tensor_parallel.py", 4, ["--tp", "2", "--dp", "2", "--dp-stage", "1", "--dtype", "mixed"]),
     ("04_tensor_parallel.py", 4, ["--tp", "4", "--moe", "--top-k", "4", "--dtype", "mixed"]),
-    ("04_tensor_parallel.py", 4, ["--tp", "2", "--dp", "2", "--moe", "--dtype", "mixed"]),
+    (
+        "04_tensor_parallel.py",
+        4,
+        ["--tp", "2", "--dp", "2", "--moe", "--top-k", "4", "--dtype", "mixed"],
+    ),  # K = E: never flips, every number compared
     ("05_pipeline.py", 4, ["--pp", "4", "--microbatches", "8", "--schedule", "gpipe"]),
     ("05_pipeline.py", 4, ["--pp", "4", "--microbatches", "8", "--schedule", "1f1b"]),
     ("05_pipeline.py", 4, ["--pp", "4", "--microbatches", "8", "--schedule", "interleaved"]),
