@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given
@@ -169,7 +170,7 @@ def test_world_size_one_and_bfloat16_avg():
 
     y, sent = run(one, 1)[0]
     assert sent == 0 and np.array_equal(y, x) and not np.shares_memory(y, x)
-    bf = __import__("ml_dtypes").bfloat16
+    bf = ml_dtypes.bfloat16
     xs = [np.full(7, 1 + r / 8, bf) for r in range(6)]
     ys = run(lambda c: all_reduce(c, xs[c.rank], op="avg", algorithm="double_tree"), 6)
     assert ys[0].dtype == bf

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
@@ -123,7 +124,6 @@ def test_ring_volume_is_2_p_minus_1_over_p_when_p_divides_n():
 
 
 def test_bfloat16_sum_accumulates_per_hop_in_float32():
-    ml_dtypes = __import__("ml_dtypes")
     bf = ml_dtypes.bfloat16
     xs = [np.full(6, 1 + r / 8, bf) for r in range(4)]
     ys = run(lambda comm: all_reduce(comm, xs[comm.rank], op="avg", algorithm="ring"), 4)

@@ -5,19 +5,22 @@ from __future__ import annotations
 import numpy as np
 
 
+def _central(f, flat, i, eps):
+    """(f(x + eps e_i) - f(x - eps e_i)) / 2 eps, perturbing the flat view in place."""
+    old = flat[i]
+    flat[i] = old + eps
+    fp = f()
+    flat[i] = old - eps
+    fm = f()
+    flat[i] = old
+    return (fp - fm) / (2 * eps)
+
+
 def fd_grad(f, x, eps=1e-6):
     """d f / d x by central differences, perturbing x in place one element at a time."""
-    g = np.zeros_like(x, dtype=np.float64)
-    flat, gflat = x.reshape(-1), g.reshape(-1)
-    for i in range(flat.size):
-        old = flat[i]
-        flat[i] = old + eps
-        fp = f()
-        flat[i] = old - eps
-        fm = f()
-        flat[i] = old
-        gflat[i] = (fp - fm) / (2 * eps)
-    return g
+    flat = x.reshape(-1)
+    g = np.array([_central(f, flat, i, eps) for i in range(flat.size)], dtype=np.float64)
+    return g.reshape(x.shape)
 
 
 def assert_close(name, got, want, rtol=1e-6, atol=1e-8):
@@ -37,13 +40,4 @@ def fd_entries(f, x, n=4, seed=0, eps=1e-6):
     rng = np.random.default_rng(seed)
     flat = x.reshape(-1)
     idx = rng.choice(flat.size, size=min(n, flat.size), replace=False)
-    vals = []
-    for i in idx:
-        old = flat[i]
-        flat[i] = old + eps
-        fp = f()
-        flat[i] = old - eps
-        fm = f()
-        flat[i] = old
-        vals.append((fp - fm) / (2 * eps))
-    return idx, np.array(vals)
+    return idx, np.array([_central(f, flat, i, eps) for i in idx])
