@@ -13,6 +13,9 @@ Semantics, identical on both backends:
   does; a message of another shape or dtype is an error, not a silent reinterpretation.
 - Every blocking wait has a timeout; on expiry the error names the waiting rank, its peer, and
   every rank's last completed and current collective (the flight recorder).
+- Each message travels on a channel: -1 for user point-to-point traffic, else the sequence
+  number of the collective it belongs to. A receive matches only its own channel, so a stray
+  user send is never consumed by a collective, nor one collective's message by the next.
 
 Control-plane calls (`gather_object`, `allgather_object`) move Python objects for reports and
 checks. They are deliberately not counted: they are the emulator's instrumentation, not the
@@ -34,6 +37,7 @@ from .rank import (  # noqa: F401 - re-exported: the backends and users import t
     CommTimeout,
     RankAborted,
     RankState,
+    UnreceivedMessage,
     _bind_state,
     current_state,
     mismatch_message,
@@ -78,14 +82,14 @@ class Comm:
         """Eager send of `array` to group rank `dst`; the receiver gets a copy."""
         array = self._as_message(array, "send")
         self._peer(dst, "send to")
-        self._post(array, dst)
+        self._post(array, dst, self._channel())
         self._record("send", dst, array.nbytes)
 
     def recv(self, src: int, out=None, shape=None, dtype=None):
         """Receive the next message from group rank `src`; returns it (in `out` if given)."""
         self._peer(src, "receive from")
         out, shape, dtype = _expected(out, shape, dtype)
-        got = self._take(src, out, shape, dtype)
+        got = self._take(src, out, shape, dtype, self._channel())
         self._record("recv", src, got.nbytes)
         return got
 
@@ -93,6 +97,13 @@ class Comm:
         """Send to `dst` and receive from `src` (the building block of rings)."""
         self.send(array, dst)
         return self.recv(src, out=out, shape=shape, dtype=dtype)
+
+    def _channel(self) -> int:
+        """-1 for user point-to-point traffic, else the open collective's sequence number in
+        this group: user messages and collective messages never match each other, nor do two
+        different collectives' messages."""
+        call = self.state.current
+        return -1 if call is None else call.seq
 
     # -- collectives' bookkeeping -------------------------------------------------------------
     @contextlib.contextmanager
@@ -125,9 +136,11 @@ class Comm:
         st.calls.append(call)
         st.current = call
         st.depth = 1
+        st.progress += 1
         try:
             self._check(call)
             yield
+            self._end_call(call)  # only after a clean exit: a failing body is reported as is
         finally:
             st.depth = 0
             st.current = None
@@ -165,6 +178,7 @@ class Comm:
     def _record(self, direction: str, peer: int, nbytes: int) -> None:
         st = self.state
         call = st.current
+        st.progress += 1
         st.ledger.add(
             Record(
                 op=call.op if call else "p2p",
@@ -216,14 +230,18 @@ class Comm:
         self.allgather_object(None)
 
     # backend hooks
-    def _post(self, array: np.ndarray, dst: int) -> None:
+    def _post(self, array: np.ndarray, dst: int, channel: int) -> None:
         raise NotImplementedError
 
-    def _take(self, src: int, out, shape, dtype) -> np.ndarray:
+    def _take(self, src: int, out, shape, dtype, channel: int) -> np.ndarray:
         raise NotImplementedError
 
     def _check(self, call: Call) -> None:
         raise NotImplementedError
+
+    def _end_call(self, call: Call) -> None:
+        """The outermost collective `call` returned on this rank: a backend that can see
+        messages of its channel still waiting here raises `UnreceivedMessage`."""
 
     def _make_group(self, glob: tuple, name: str, key) -> Comm:
         raise NotImplementedError

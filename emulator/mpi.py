@@ -69,7 +69,7 @@ class MPIComm(Comm):
                 )
 
     # -- data plane -----------------------------------------------------------------------------
-    def _post(self, array: np.ndarray, dst: int) -> None:
+    def _post(self, array: np.ndarray, dst: int, channel: int) -> None:
         buf = np.array(array, copy=True, order="C").reshape(-1).view(np.uint8)
         req = self.mpi.Isend(buf, dest=dst, tag=0)
         pending = self.world.pending
@@ -77,7 +77,7 @@ class MPIComm(Comm):
         if len(pending) > 32:
             pending[:] = [p for p in pending if not p[0].Test()]
 
-    def _take(self, src: int, out, shape, dtype) -> np.ndarray:
+    def _take(self, src: int, out, shape, dtype, channel: int) -> np.ndarray:
         req, out = self._irecv(src, out, shape, dtype)
         self._complete(req, src, out)
         return out

@@ -1,0 +1,177 @@
+"""One virtual rank's incoming messages: a lock, a condition, and FIFO queues per channel.
+
+    box[(group key, channel)][sender global rank] -> deque of arrays (oldest first)
+
+The channel is -1 for user point-to-point traffic and the collective's sequence number in its
+group otherwise (`Comm._channel`), so a receive only ever matches messages of its own channel.
+Empty queues and channels are deleted at once: the box holds only messages in flight, so a
+leftover is exactly a non-empty entry. `closed[group key]` counts the collectives this rank has
+finished in the group: a message sent into a closed channel would never be received.
+
+Only the owning rank waits on the condition, so `notify()` wakes exactly the one waiter.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from .rank import CommTimeout, UnreceivedMessage
+
+MAX_SLEEP = 3600.0  # one wait's longest sleep (Condition.wait rejects an infinite timeout)
+
+
+class Mailbox:
+    __slots__ = ("box", "closed", "cond", "rank", "world")
+
+    def __init__(self, world, rank: int):
+        self.world = world
+        self.rank = rank
+        self.cond = threading.Condition(threading.Lock())
+        self.box: dict = {}
+        self.closed: dict = {}
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    # -- the message path ---------------------------------------------------------------------
+    def put(self, comm, channel: int, msg) -> None:
+        """Append `msg` from `comm`'s rank on (comm's group, channel)."""
+        key, src = comm.key, comm.state.rank
+        with self.cond:
+            if channel < 0 or self.closed.get(key, 0) <= channel:
+                sub = self.box.get((key, channel))
+                if sub is None:
+                    self.box[(key, channel)] = {src: deque((msg,))}
+                else:
+                    q = sub.get(src)
+                    if q is None:
+                        sub[src] = deque((msg,))
+                    else:
+                        q.append(msg)
+                self.cond.notify()
+                return
+        call = comm.state.current
+        self.world.fail(
+            src,
+            lambda: UnreceivedMessage(
+                f"rank {src} sent rank {self.rank} {msg.nbytes} bytes ({msg.dtype}"
+                f"{list(msg.shape)}) in group {comm.name!r} for {call.describe()} after rank "
+                f"{self.rank} had finished that collective: it would never be received (the "
+                f"collective's sends and receives do not pair up)"
+            ),
+        )
+
+    def get(self, comm, channel: int, src: int):
+        """The oldest message from global rank `src` on (comm's group, channel); waits for it."""
+        kc = (comm.key, channel)
+        with self.cond:
+            msg = self._pop(kc, src)
+            if msg is None:
+                got = [None]
+
+                def arrived() -> bool:
+                    got[0] = self._pop(kc, src)
+                    return got[0] is not None
+
+                self._wait(arrived)
+                msg = got[0]
+        if msg is not None:
+            return msg
+        w = self.world
+        w.raise_if_failed()
+        w.fail(
+            self.rank,
+            lambda: CommTimeout(
+                f"rank {self.rank} waited {w.timeout:g} s to receive from rank {src} in group "
+                f"{comm.name!r} and nothing arrived (a hang: some rank skipped a send or is "
+                f"stuck).\nflight recorder:\n{w.flight_recorder()}"
+            ),
+        )
+
+    def _pop(self, kc, src):
+        sub = self.box.get(kc)
+        if sub is None:
+            return None
+        q = sub.get(src)
+        if q is None:
+            return None
+        msg = q.popleft()
+        if not q:
+            del sub[src]
+            if not sub:
+                del self.box[kc]
+        return msg
+
+    # -- waiting ------------------------------------------------------------------------------
+    def _wait(self, ready) -> bool:
+        """With `cond` held: sleep until `ready()`, the world's failure, or the deadline.
+
+        No periodic wake-ups: a sender's notify, the world's abort, or the deadline ends the
+        sleep (4,096 ranks each waking once a second starved the ranks doing the work).
+        """
+        w = self.world
+        st = w.states[self.rank]
+        deadline = time.monotonic() + w.timeout
+        st.waiting = True
+        try:
+            while True:
+                if w.failure is not None:
+                    return False
+                if ready():
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(min(left, MAX_SLEEP))
+        finally:
+            st.waiting = False
+
+    def wait_for(self, ready, describe) -> None:
+        """Wait until `ready()`; on the deadline fail the world with `describe()` + recorder."""
+        with self.cond:
+            ok = self._wait(ready)
+        if ok:
+            return
+        w = self.world
+        w.raise_if_failed()
+        w.fail(
+            self.rank,
+            lambda: CommTimeout(f"{describe()}\nflight recorder:\n{w.flight_recorder()}"),
+        )
+
+    # -- ends of collectives and runs -----------------------------------------------------------
+    def close(self, key, seq: int):
+        """This rank finished collective `seq` of group `key`: close its channel and return
+        whatever is still queued on it ({sender: deque}, or None)."""
+        with self.cond:
+            self.closed[key] = seq + 1
+            return self.box.pop((key, seq), None)
+
+    def pending(self) -> list:
+        with self.cond:
+            return list(self.box.items())
+
+
+def leftover_report(world, receiver: int, kc, sub) -> str:
+    """One line per unreceived message: sender, receiver, group, channel, bytes, dtype, shape."""
+    key, channel = kc
+    name = world.names.get(key, repr(key))
+    lines = []
+    for src, q in sub.items():
+        what = "point-to-point" if channel < 0 else _collective(world.states[src], name, channel)
+        for m in q:
+            lines.append(
+                f"  rank {src} -> rank {receiver} in group {name!r}, {what}: {m.nbytes} bytes "
+                f"({m.dtype}{list(m.shape)})"
+            )
+    return "\n".join(lines)
+
+
+def _collective(state, group: str, seq: int) -> str:
+    for call in reversed(state.calls):
+        if call.seq == seq and call.group == group:
+            return call.describe()
+    return f"collective #{seq}"
