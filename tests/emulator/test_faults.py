@@ -5,6 +5,10 @@ broadcast), no end-of-collective check, spawn joining its threads (3600 s), a ti
 aborting while holding its own lock (1,024 ranks deadlock).
 """
 
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -128,6 +132,52 @@ def test_an_endless_python_loop_is_stopped():
     assert not threads[0].is_alive()
 
 
+INTERRUPTED = textwrap.dedent(
+    """
+    import threading, time
+    import numpy as np
+    import emulator
+
+    def fn(c):
+        if c.rank == 0:
+            print("ranks started", flush=True)
+            c.recv(1, shape=1, dtype=np.float64)  # blocked in a receive
+        elif c.rank == 1:
+            while True:  # an endless Python loop
+                pass
+        else:
+            time.sleep(3600)  # a sleep: cannot be stopped before it returns
+
+    try:
+        emulator.spawn(fn, 3, timeout=600)
+    except KeyboardInterrupt:
+        deadline = time.monotonic() + 20
+        alive = lambda: sorted(t.name for t in threading.enumerate() if t.name.startswith("rank-"))
+        while alive() != ["rank-2"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("still running:", alive(), flush=True)
+        raise
+    """
+)
+
+
+def test_ctrl_c_stops_the_ranks_and_is_reraised(tmp_path):
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ranks started"
+        time.sleep(0.3)  # let rank 1 enter its loop
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)  # 600 s timeout, 3600 s sleep: not waited on
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err, err
+    assert "still running: ['rank-2']" in out  # ranks 0 and 1 stopped; the sleeper cannot
+
+
 def test_a_rank_computing_between_messages_is_not_stuck():
     def fn(c):
         if c.rank == 0:
@@ -151,6 +201,7 @@ def test_1024_ranks_timing_out_together_end_in_one_report():
     text = str(info.value)
     assert "waited 1 s to receive from rank" in text
     assert text.count("current none (in user code)") == 1024  # one full flight recorder
+    assert not getattr(info.value, "__notes__", None)  # no rank was left behind (deadlocked)
 
 
 def test_4096_ranks_pass_a_barrier():
