@@ -2,7 +2,7 @@
 
 python -m emulator run -n 16 examples/01_collectives.py [script args]   # 16 virtual ranks
 python -m emulator tour                                                  # every example, verdicts
-python -m emulator bench collectives | model | layouts                   # benchmark tables
+python -m emulator bench collectives | model | layouts | ranks | messages  # benchmark tables
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ BENCHES = {
     "collectives": "emulator.bench_collectives",
     "model": "emulator.bench_model",
     "layouts": "parallel.bench",
+    "ranks": "emulator.bench_ranks",
+    "messages": "emulator.bench_messages",
 }
 
 

@@ -117,7 +117,8 @@ class VirtualComm(Comm):
         w = self.world
         if w.failure is not None:
             w.raise_if_failed()
-        msg = np.array(array, copy=True, order="C")  # the receiver owns a private copy
+        # the receiver owns a private C-ordered copy (a plain ndarray, as np.array would give)
+        msg = array.copy() if type(array) is np.ndarray else np.array(array, copy=True, order="C")
         w.boxes[self.ranks[dst]].put(self, channel, msg)
 
     def _take(self, src: int, out, shape, dtype, channel: int) -> np.ndarray:
@@ -126,7 +127,7 @@ class VirtualComm(Comm):
             w.raise_if_failed()
         me, s = self.state.rank, self.ranks[src]
         msg = w.boxes[me].get(self, channel, s)
-        if msg.shape != tuple(shape) or msg.dtype != dtype:
+        if msg.shape != shape or msg.dtype != dtype:  # shape: a tuple (comm._expected)
             w.fail(
                 me,
                 lambda: CommError(

@@ -8,7 +8,8 @@ Empty queues and channels are deleted at once: the box holds only messages in fl
 leftover is exactly a non-empty entry. `closed[group key]` counts the collectives this rank has
 finished in the group: a message sent into a closed channel would never be received.
 
-Only the owning rank waits on the condition, so `notify()` wakes exactly the one waiter.
+Only the owning rank waits on the condition, so `notify()` wakes exactly the one waiter, and
+a sender notifies only while the owner sleeps (`sleeping`, read and written under the lock).
 """
 
 from __future__ import annotations
@@ -23,24 +24,26 @@ MAX_SLEEP = 3600.0  # one wait's longest sleep (Condition.wait rejects an infini
 
 
 class Mailbox:
-    __slots__ = ("box", "closed", "cond", "rank", "world")
+    __slots__ = ("box", "closed", "cond", "lock", "rank", "sleeping", "world")
 
     def __init__(self, world, rank: int):
         self.world = world
         self.rank = rank
-        self.cond = threading.Condition(threading.Lock())
+        self.lock = threading.Lock()  # `with self.lock` (C) is cheaper than `with self.cond`
+        self.cond = threading.Condition(self.lock)
+        self.sleeping = False  # the owner is in cond.wait: only then does a sender notify
         self.box: dict = {}
         self.closed: dict = {}
 
     def wake(self) -> None:
-        with self.cond:
+        with self.lock:
             self.cond.notify_all()
 
     # -- the message path ---------------------------------------------------------------------
     def put(self, comm, channel: int, msg) -> None:
         """Append `msg` from `comm`'s rank on (comm's group, channel)."""
         key, src = comm.key, comm.state.rank
-        with self.cond:
+        with self.lock:
             if channel < 0 or self.closed.get(key, 0) <= channel:
                 sub = self.box.get((key, channel))
                 if sub is None:
@@ -51,7 +54,8 @@ class Mailbox:
                         sub[src] = deque((msg,))
                     else:
                         q.append(msg)
-                self.cond.notify()
+                if self.sleeping:
+                    self.cond.notify()
                 return
         call = comm.state.current
         self.world.fail(
@@ -67,17 +71,10 @@ class Mailbox:
     def get(self, comm, channel: int, src: int):
         """The oldest message from global rank `src` on (comm's group, channel); waits for it."""
         kc = (comm.key, channel)
-        with self.cond:
+        with self.lock:
             msg = self._pop(kc, src)
             if msg is None:
-                got = [None]
-
-                def arrived() -> bool:
-                    got[0] = self._pop(kc, src)
-                    return got[0] is not None
-
-                self._wait(arrived)
-                msg = got[0]
+                msg = self._await(kc, src)
         if msg is not None:
             return msg
         w = self.world
@@ -106,6 +103,28 @@ class Mailbox:
         return msg
 
     # -- waiting ------------------------------------------------------------------------------
+    def _await(self, kc, src):
+        """`_wait` for one message, inlined (the receive path): the message, or None."""
+        w = self.world
+        st = w.states[self.rank]
+        deadline = time.monotonic() + w.timeout
+        st.waiting = True
+        try:
+            while w.failure is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.sleeping = True
+                self.cond.wait(min(left, MAX_SLEEP))
+                self.sleeping = False
+                if w.failure is None:
+                    msg = self._pop(kc, src)
+                    if msg is not None:
+                        return msg
+            return None
+        finally:
+            st.waiting = self.sleeping = False
+
     def _wait(self, ready) -> bool:
         """With `cond` held: sleep until `ready()`, the world's failure, or the deadline.
 
@@ -125,13 +144,15 @@ class Mailbox:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
+                self.sleeping = True
                 self.cond.wait(min(left, MAX_SLEEP))
+                self.sleeping = False
         finally:
-            st.waiting = False
+            st.waiting = self.sleeping = False
 
     def wait_for(self, ready, describe) -> None:
         """Wait until `ready()`; on the deadline fail the world with `describe()` + recorder."""
-        with self.cond:
+        with self.lock:
             ok = self._wait(ready)
         if ok:
             return
@@ -146,12 +167,12 @@ class Mailbox:
     def close(self, key, seq: int):
         """This rank finished collective `seq` of group `key`: close its channel and return
         whatever is still queued on it ({sender: deque}, or None)."""
-        with self.cond:
+        with self.lock:
             self.closed[key] = seq + 1
             return self.box.pop((key, seq), None)
 
     def pending(self) -> list:
-        with self.cond:
+        with self.lock:
             return list(self.box.items())
 
 
