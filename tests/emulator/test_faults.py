@@ -190,6 +190,29 @@ def test_a_rank_computing_between_messages_is_not_stuck():
     assert emulator.spawn(fn, 3, timeout=0.5) == [None, 1, 2]
 
 
+def test_a_control_plane_gather_missing_a_rank_times_out_naming_it():
+    def fn(c):
+        if c.rank != 1:  # rank 1 skips the gather and waits for a message nobody sends
+            c.allgather_object(c.rank)
+        else:
+            c.recv(0, shape=1, dtype=F8)
+
+    with pytest.raises(CommTimeout, match=r"control-plane gather of group 'world'; ranks \[1\]"):
+        emulator.spawn(fn, 3, timeout=0.5)
+
+
+def test_an_infinite_timeout_still_runs():
+    # each sleep is capped (Condition.wait rejects inf): a receive that must wait still works
+    def fn(c):
+        if c.rank == 1:
+            time.sleep(0.2)  # rank 0 is asleep in its receive by now
+            c.send(np.ones(1), 0)
+            return None
+        return float(c.recv(1, shape=1, dtype=F8)[0])
+
+    assert emulator.spawn(fn, 2, timeout=float("inf")) == [1.0, None]
+
+
 def test_1024_ranks_timing_out_together_end_in_one_report():
     def fn(c):  # every rank waits on its right neighbour, which never sends
         c.recv((c.rank + 1) % c.world_size, shape=1, dtype=F8)
