@@ -17,8 +17,7 @@ import pytest
 
 import collectives as C
 import emulator
-from emulator import CommTimeout
-from emulator.comm import UnreceivedMessage
+from emulator import CommTimeout, UnreceivedMessage
 
 F8 = np.float64
 
