@@ -43,14 +43,8 @@ def _cases():
         y = C.all_reduce(comm, x, algorithm="auto")
         algo = cost.auto_all_reduce(x.nbytes, comm.size)
         want = cost.all_reduce(x.size, comm.size, 4, comm.rank, algo)
-        return (
-            bool(np.all(y == comm.size))
-            and (
-                comm.ledger.sent(),
-                comm.ledger.received(),
-            )
-            == want
-        )
+        got = (comm.ledger.sent(), comm.ledger.received())
+        return bool(np.all(y == comm.size)) and got == want
 
     return [("start-up", empty), ("barrier", barrier), ("all_reduce 1 KiB", all_reduce)]
 
