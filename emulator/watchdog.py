@@ -65,7 +65,8 @@ def _wait(w, threads) -> str:
         if running == 0:
             return ""
         if w.failure is not None:
-            alive = _drain(w, min(GRACE, w.timeout))
+            # ranks still in a communication wait were woken and are only slow to leave it
+            alive = [r for r in _drain(w, min(GRACE, w.timeout)) if not w.states[r].waiting]
             if not alive:
                 return ""
             _stop(w, threads, alive)
