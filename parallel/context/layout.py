@@ -48,7 +48,9 @@ def positions(S: int, cp: int, rank: int, balance: str = "zigzag") -> np.ndarray
         return np.arange(rank * n, (rank + 1) * n, dtype=np.int64)
     c = S // (2 * cp)  # chunk length
     first, mirror = rank, 2 * cp - 1 - rank
-    return np.concatenate([np.arange(first * c, (first + 1) * c), np.arange(mirror * c, (mirror + 1) * c)]).astype(np.int64)
+    return np.concatenate(
+        [np.arange(first * c, (first + 1) * c), np.arange(mirror * c, (mirror + 1) * c)]
+    ).astype(np.int64)
 
 
 def table(S: int, cp: int, balance: str = "zigzag") -> np.ndarray:

@@ -32,7 +32,7 @@ def _computed(qpos, kpos):
     """Rows (queries) and columns (keys) of a block pair that see anything: the block actually
     computed. Under zigzag this is exactly half of every block but the own one."""
     vis = visible(qpos, kpos)
-    return np.flatnonzero(vis.any(axis=1)), np.flatnonzero(vis.any(axis=0))
+    return np.flatnonzero(vis.any(axis=1)), np.flatnonzero(vis.any(axis=0)), int(vis.sum())
 
 
 def _pass_on(comm, arrays):
@@ -49,7 +49,7 @@ def ring_forward(comm, q, k, v, A, pos, *, keep_probs=True):
     """q, k, v (B, S_local, H) of rank r, positions table pos (C, S_local) -> (o, cache)."""
     C, r = comm.size, comm.rank
     qh, qpos = heads(q, A), pos[r]  # (B, A, S_local, D)
-    B, _, S_l, D = qh.shape
+    B, _, S_l, _ = qh.shape
     m = np.full((B, A, S_l), -np.inf, qh.dtype)  # running row max
     l = np.zeros((B, A, S_l), qh.dtype)  # running sum of exp(s - m)
     acc = np.zeros_like(qh)  # running sum of exp(s - m) v, unnormalised (B, A, S_local, D)
@@ -59,8 +59,8 @@ def ring_forward(comm, q, k, v, A, pos, *, keep_probs=True):
             if t:  # the block used at step t - 1 moves on; the one of rank r - t arrives
                 kb, vb = _pass_on(comm, (kb, vb))
             src = (r - t) % C
-            rows, cols = _computed(qpos, pos[src])
-            work.append((src, rows.size, cols.size))
+            rows, cols, seen = _computed(qpos, pos[src])
+            work.append((src, rows.size, cols.size, seen))  # per (batch, head); work.py
             if rows.size == 0:  # fully masked block pair: skipped
                 blocks.append(None)
                 continue
@@ -81,7 +81,7 @@ def ring_forward(comm, q, k, v, A, pos, *, keep_probs=True):
     o = down(merge(acc / l[..., None]), q.dtype)  # (B, S_local, H)
     for t, s in enumerate(blocks):  # kept scores -> probabilities normalised over all keys
         if s is not None:
-            rows, _ = _computed(qpos, pos[(r - t) % C])
+            rows, _, _ = _computed(qpos, pos[(r - t) % C])
             s -= lse[..., rows, None]
             blocks[t] = down(np.exp(s, out=s), q.dtype)
     cache = {"q": q, "k": k, "v": v, "o": o, "lse": lse, "A": A, "pos": pos, "probs": blocks}
@@ -108,7 +108,7 @@ def ring_backward(do, cache):
                 else:
                     dkb, dvb = np.zeros_like(qh), np.zeros_like(qh)
             src = (r - t) % C
-            rows, cols = _computed(qpos, pos[src])
+            rows, cols, _ = _computed(qpos, pos[src])
             if rows.size == 0:
                 continue
             kh, vh = heads(kb, A)[:, :, cols], heads(vb, A)[:, :, cols]
