@@ -20,6 +20,8 @@ buffer); ring's sends overlap with compute step by step, all-gather's happen bef
 
 from __future__ import annotations
 
+from emulator.flops import activation_bytes_per_block
+from emulator.precision import arith_dtype, compute_dtype
 from parallel.context import work
 from parallel.context.ulysses import check_heads
 
@@ -69,3 +71,21 @@ def cache_nbytes(method, B, S, H, A, C, itemsize, *, keep_probs, balance, rank,
         check_heads(A, C)
         return 3 * blk + (B * (A // C) * S * S * itemsize if keep_probs else 0)
     raise ValueError(f"cost: unknown method {method!r}")
+
+
+def block_activation_bytes(cfg, method, B, S, C, *, recompute, balance, rank) -> int:
+    """A block's activation bytes on cp rank `rank` (emulator.block's cache, B the micro-batch):
+    the single-rank block at S_local tokens without probabilities (emulator.flops), minus its
+    q, k, v (3 blk: held only through the attention cache), plus this method's attention cache
+    (cache_nbytes; the ring's o is the wo input already counted: - blk), plus the positions
+    table (8 S). Full recompute keeps only the block input. MoE: one routing group per rank."""
+    S_l = S // C
+    if recompute == "full":
+        return activation_bytes_per_block(cfg, B, S_l, "full")
+    x = compute_dtype(cfg.dtype)
+    y, x = arith_dtype(x).itemsize, x.itemsize
+    H, A, blk = cfg.d_model, cfg.n_heads, _blk(B, S, cfg.d_model, C, x)
+    attn = cache_nbytes(method, B, S, H, A, C, x, keep_probs=recompute == "none",
+                        balance=balance, rank=rank, acc_itemsize=y)  # fmt: skip
+    shared = blk if method == "ring" else 0
+    return activation_bytes_per_block(cfg, B, S_l, "selective") - 3 * blk + attn - shared + 8 * S

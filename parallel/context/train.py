@@ -45,7 +45,21 @@ class CPRun:
     grads: dict  # the last step's summed gradient, before clipping
     params: dict  # final master parameters
     step_bytes: list  # per step: {"fwd", "bwd", "grads"}: (sent, received) of this rank
+    act_bytes: dict  # the last step's activations/<mb j.blocks.i> bytes on this rank
     positions: np.ndarray  # the (C, S_local) table of the last step
+
+
+class _Hooks(ReplicatedHooks):
+    """DDP's hooks, noting each block's activation bytes right after its forward."""
+
+    def __init__(self, params, sink, mem, prefix, out):
+        super().__init__(params, sink)
+        self.mem, self.prefix, self.out = mem, prefix, out
+
+    def post_forward(self, layer: str) -> None:
+        if layer.startswith("blocks."):
+            name = self.prefix + layer
+            self.out[name] = self.mem.nbytes("activations", name)
 
 
 def routing_groups(B_mb: int, S: int, table) -> list:
@@ -76,7 +90,7 @@ def cp_train(comm, cfg, seed, batches, steps, *, cp, method="ring", balance="zig
     )
     params = init_params(cfg, seed)  # same seed everywhere: identical replicas
     opt = AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    run = CPRun([], [], {}, {}, [], np.zeros((cp, 0), np.int64))
+    run = CPRun([], [], {}, {}, [], {}, np.zeros((cp, 0), np.int64))
     with DDP(comm, params, bucket_cap_mb=bucket_cap_mb, dtype=cfg.dtype) as ddp:
         for step in range(steps):
             tokens, targets = batches(step) if callable(batches) else batches[step]
@@ -88,14 +102,16 @@ def cp_train(comm, cfg, seed, batches, steps, *, cp, method="ring", balance="zig
             attn = (functools.partial(attention[0], positions=tab), attention[1])
             mbs = split_microbatches(*shard_batch(tokens, targets, d, D), k)
             ce_denom, aux_scale = loss_scales(tokens.size, 1, D * k * cp)
-            hooks = ReplicatedHooks(to_compute(params, cfg), ddp)
+            compute = to_compute(params, cfg)
             mark, shares = comm.ledger.mark(), []
             for j, (t, y) in enumerate(mbs):
+                hooks = _Hooks(compute, ddp, comm.memory, f"mb{j}.", run.act_bytes)
                 ctx = ddp.no_sync() if j < k - 1 else contextlib.nullcontext()
                 with ctx:
                     shares.append(microbatch_step(
                         hooks, t[:, mine], y[:, mine], cfg, ce_denom=ce_denom,
                         aux_scale=aux_scale, recompute=recompute, positions=mine, attention=attn,
+                        mem=comm.memory, mem_prefix=f"mb{j}.",
                     ))  # fmt: skip
             run.losses.append(sum(s for every in comm.allgather_object(shares) for s in every))
             grads = ddp.finish()  # summed over dp x cp

@@ -42,6 +42,9 @@ def check_cp(world, C, method, balance, *, B=2, S=24, k=1, recompute="none", moe
     fwd = n * want["forward"] * (2 if recompute == "full" else 1)
     for r, run in enumerate(runs):
         assert run.losses == runs[0].losses  # every rank reports the same run
+        act = cost.block_activation_bytes(cfg, method, B // (world // C) // k, S, C,
+                                          recompute=recompute, balance=balance, rank=r % C)  # fmt: skip
+        assert run.act_bytes and set(run.act_bytes.values()) == {act}, (r, run.act_bytes, act)
         for b in run.step_bytes:
             assert b["fwd"] == (fwd, fwd), (r, b, want)
             assert b["bwd"] == (n * want["backward"],) * 2, (r, b, want)
