@@ -44,6 +44,11 @@ RUNS = [
     ("05_pipeline.py", 4, ["--pp", "2", "--dp", "2", "--dp-mode", "zero1", "--schedule", "zb-h1"]),
     ("05_pipeline.py", 4, ["--pp", "4", "--microbatches", "2", "--schedule", "zb-h1"]),
     ("05_pipeline.py", 4, ["--dtype", "mixed", "--max-norm", "0", "--schedule", "interleaved"]),
+    ("08_context_parallel.py", 4, ["--cp", "4", "--method", "ring", "--balance", "zigzag"]),
+    ("08_context_parallel.py", 4, ["--cp", "4", "--method", "all-gather"]),
+    ("08_context_parallel.py", 4, ["--cp", "4", "--method", "ulysses"]),
+    ("08_context_parallel.py", 2, ["--cp", "2", "--balance", "contiguous", "--recompute", "full"]),
+    ("08_context_parallel.py", 4, ["--cp", "2", "--dp", "2", "--moe", "--method", "ring"]),
 ]
 
 
