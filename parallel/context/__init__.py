@@ -9,5 +9,5 @@ attention), an all-gather of K and V (Llama 3), or an all-to-all over heads (Dee
   attention.py  cp_attention_forward / cp_attention_backward: one interface for the three
   cost.py       bytes per rank per layer, forward and backward, and cache bytes, in closed form
   work.py       the attention work each rank does per ring step, balanced or not, in closed form
-  embed.py      the position-embedding rows of a rank's global positions
+  train.py      cp_train: cp (x dp) training, one DDP over dp x cp
 """

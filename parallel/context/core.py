@@ -42,7 +42,7 @@ def probs_backward(p, qh, kh, vh, doh, delta=None):
 
     delta (B, A, Sq) = sum_j p_ij dp_ij over ALL keys of row i; when the block holds every key
     of its rows it can be computed here (delta=None), otherwise the caller passes
-    rowsum(dO * O), which is the same number (Dao et al. 2022, FlashAttention, appendix B.2).
+    rowsum(dO * O), which is the same number (Dao et al. 2022, FlashAttention, appendix B).
     -> (dq (B, A, Sq, D), dk (B, A, Sk, D), dv (B, A, Sk, D)).
     """
     dv = p.transpose(0, 1, 3, 2) @ doh  # (B, A, Sk, D)

@@ -65,8 +65,9 @@ def ring_forward(comm, q, k, v, A, pos, *, keep_probs=True):
                 blocks.append(None)
                 continue
             s = scores(qh[:, :, rows], heads(kb, A)[:, :, cols], qpos[rows], pos[src][cols])
-            # online-softmax merge (Liu et al. 2023, eq. 3; Milakov & Gimelshein 2018): rescale
-            # the old partial sums and the block's to the new running max before adding them
+            # online-softmax merge (Liu et al. 2023, section 3, after Milakov & Gimelshein 2018;
+            # the zigzag blocks: Brandon et al. 2023): rescale the old partial sums and the
+            # block's to the new running max before adding them; lse = m + log l at the end
             m_blk = s.max(axis=-1)  # (B, A, rows) finite: every computed row sees a key
             e = np.exp(s - m_blk[..., None])
             m_old = m[..., rows]

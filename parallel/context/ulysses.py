@@ -1,5 +1,5 @@
 """DeepSpeed-Ulysses (Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for Enabling
-Training of Extreme Long Sequence Transformer Models", section 3): an all-to-all turns q, k, v
+Training of Extreme Long Sequence Transformer Models"): an all-to-all turns q, k, v
 from sequence-sharded (B, S_local, H) into head-sharded (B, S, H / C); each rank runs the
 single-rank attention (emulator.ops) on the whole sequence for its A / C heads; an all-to-all
 turns the output back. The backward is the same with the roles swapped: dO in, dQ/dK/dV out.

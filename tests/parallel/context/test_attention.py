@@ -130,3 +130,28 @@ def test_bad_positions_and_method():
         emulator.spawn(lambda c: fn(c, np.zeros((2, 4), int)), 2, timeout=30)
     with pytest.raises(ValueError, match="method='tree' must be one of"):
         emulator.spawn(lambda c: fn(c, layout.table(8, 2), "tree"), 2, timeout=30)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_heads_split_by_tp_first(method):
+    """tp x cp mesh: each tp rank holds A / tp heads (consecutive D-column blocks, as Megatron's
+    column-parallel wq/wk/wv leave them), and cp runs on those local heads over its cp group."""
+    B, S, A, D, tp, C = 2, 16, 4, 2, 2, 2
+    H = A * D
+    rng = np.random.default_rng(5)
+    q, k, v, do = (rng.standard_normal((B, S, H)) for _ in range(4))
+    o_ref, c = attention_forward(q, k, v, A)
+    g_ref = attention_backward(do, c)
+    tab = layout.table(S, C, "zigzag")
+
+    def fn(comm):
+        mesh = emulator.Mesh(comm, tp=tp, cp=C)
+        t, r = mesh.coord("tp"), mesh.coord("cp")
+        cols = slice(t * H // tp, (t + 1) * H // tp)
+        part = [x[:, tab[r], cols] for x in (q, k, v, do)]
+        o, cache = cp_attention_forward(mesh["cp"], *part[:3], A // tp, positions=tab,
+                                        method=method)  # fmt: skip
+        g = cp_attention_backward(part[3], cache)
+        return max(np.abs(x - y[:, tab[r], cols]).max() for x, y in zip((o, *g), (o_ref, *g_ref)))
+
+    assert max(emulator.spawn(fn, tp * C, timeout=60)) <= 1e-12

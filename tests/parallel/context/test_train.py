@@ -4,6 +4,8 @@ layers x micro-batches x cost.attention_bytes (twice the forward's under full re
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import emulator
 from emulator.check import compare_run
@@ -74,6 +76,24 @@ def test_cp_times_dp_with_microbatches(method):
 def test_cp_moe(method):
     """Routing groups = each cp rank's tokens, handed to the reference as the same groups."""
     check_cp(4, 2, method, "zigzag", B=4, moe=True)
+
+
+@settings(max_examples=15)
+@given(
+    C=st.integers(1, 4),
+    dp=st.integers(1, 2),
+    method=st.sampled_from(["ring", "all-gather", "ulysses"]),
+    balance=st.sampled_from(["contiguous", "zigzag"]),
+    chunks=st.integers(1, 2),
+    k=st.integers(1, 2),
+    moe=st.booleans(),
+)
+def test_property(C, dp, method, balance, chunks, k, moe):
+    """cp (x dp) over random degrees, sequence lengths, micro-batches and MoE."""
+    if C * dp > 4:
+        C = 4 // dp
+    heads = 6 if method == "ulysses" and C == 3 else 4
+    check_cp(C * dp, C, method, balance, B=dp * k, S=2 * C * chunks, k=k, moe=moe, heads=heads)
 
 
 def test_errors():
