@@ -170,6 +170,9 @@ def make_main(a):
             print(f"{bal}: critical path {_frac(sm['critical_path'], S_l * S_l)} blocks, "
                   f"max/mean {sm['imbalance']:.2f}")  # fmt: skip
             print(format_table(head, rows))
+        print(f"all-gather and Ulysses compute every score entry of their rows, masked ones too (as"
+              f" emulator.ops does): S_local x S per head per rank = {C} blocks, balanced by "
+              f"construction")  # fmt: skip
         print(f"\nbytes per rank per layer (micro-batch b={b}, S={S}, H={H}, x=y=8 B), sent = "
               f"received, every rank; ledger / formula")  # fmt: skip
         rows = []
