@@ -8,9 +8,13 @@ if any). ``positions`` is the (C, S_local) table of every cp rank's global posit
 (layout.table); the causal mask comes from it. Methods: "ring" (ring.py), "all-gather"
 (allgather.py), "ulysses" (ulysses.py); keep_probs as in ops (False = selective recompute).
 Traffic is tagged "cp-attn/fwd" and "cp-attn/bwd" inside the caller's scopes (cost.py has it).
+Each call is one checked collective "cp_attention" on the cp group: ranks that disagree on the
+method, the shapes, the heads or the positions table raise CollectiveMismatch instead of hanging.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import numpy as np
 
@@ -48,16 +52,24 @@ def cp_attention_forward(cp_comm, q, k, v, n_heads, *, positions, method="ring",
         raise ValueError(f"attention: H_local={q.shape[-1]} not divisible by n_heads={n_heads}")
     pos = check_table(positions, cp_comm.size, q.shape[1])
     fwd, _ = _IMPL[method]
-    with scope("cp-attn/fwd"):
+    extra = f"forward, heads={n_heads}, keep_probs={keep_probs}, {_digest(pos)}"
+    with scope("cp-attn/fwd"), cp_comm.collective("cp_attention", method, q, extra=extra):
         o, inner = fwd(cp_comm, q, k, v, n_heads, pos, keep_probs=keep_probs)
-    return o, {"method": method, "inner": inner, "positions": pos}
+    return o, {"method": method, "inner": inner, "positions": pos, "comm": cp_comm}
 
 
 def cp_attention_backward(do, cache):
     """-> (dq, dk, dv), each (B, S_local, H_local), this rank's tokens."""
-    _, bwd = _IMPL[cache["method"]]
-    with scope("cp-attn/bwd"):
+    method, comm = cache["method"], cache["comm"]
+    _, bwd = _IMPL[method]
+    extra = f"backward, {_digest(cache['positions'])}"
+    with scope("cp-attn/bwd"), comm.collective("cp_attention", method, do, extra=extra):
         return bwd(do, cache["inner"])
+
+
+def _digest(pos) -> str:
+    """The positions table in a few characters, so ranks with different tables disagree."""
+    return f"positions {pos.shape} crc {zlib.crc32(np.ascontiguousarray(pos).tobytes()):08x}"
 
 
 def cache_nbytes(cache) -> int:

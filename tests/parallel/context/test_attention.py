@@ -155,3 +155,18 @@ def test_heads_split_by_tp_first(method):
         return max(np.abs(x - y[:, tab[r], cols]).max() for x, y in zip((o, *g), (o_ref, *g_ref)))
 
     assert max(emulator.spawn(fn, tp * C, timeout=60)) <= 1e-12
+
+
+def test_ranks_that_disagree_raise_instead_of_hanging():
+    from emulator.comm import CollectiveMismatch
+
+    def fn(comm, methods, tables):
+        x = np.zeros((1, 4, 4))
+        cp_attention_forward(comm, x, x, x, 2, positions=tables[comm.rank],
+                             method=methods[comm.rank])  # fmt: skip
+
+    z, c = layout.table(8, 2, "zigzag"), layout.table(8, 2, "contiguous")
+    with pytest.raises(CollectiveMismatch):
+        emulator.spawn(lambda comm: fn(comm, ["ring", "all-gather"], [z, z]), 2, timeout=30)
+    with pytest.raises(CollectiveMismatch):
+        emulator.spawn(lambda comm: fn(comm, ["ring", "ring"], [z, c]), 2, timeout=30)
