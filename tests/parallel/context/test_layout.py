@@ -63,3 +63,27 @@ def test_errors_name_the_problem():
         layout.table(8, 2, "stripe")
     with pytest.raises(ValueError, match="rank 2 is not in 0..1"):
         layout.positions(8, 2, 2)
+
+
+def test_position_rows_by_global_index():
+    """The embedding of a rank's columns with their global positions is the full embedding's
+    columns; the ranks' dpos (distinct rows) sum to the full dpos, each row written once."""
+    from emulator.ops import embedding_backward, embedding_forward
+
+    rng = np.random.default_rng(2)
+    tokens, tok, pos = (
+        rng.integers(0, 7, (2, 12)),
+        rng.standard_normal((7, 3)),
+        rng.standard_normal((16, 3)),
+    )
+    dx = rng.standard_normal((2, 12, 3))
+    x, c = embedding_forward(tokens, tok, pos)
+    _, dpos = embedding_backward(dx, c)
+    total = np.zeros_like(dpos)
+    for p in layout.table(12, 3, "zigzag"):
+        xp, cp_ = embedding_forward(tokens[:, p], tok, pos, p)
+        assert np.array_equal(xp, x[:, p])
+        _, dp = embedding_backward(dx[:, p], cp_)
+        assert not np.any(dp[np.setdiff1d(np.arange(16), p)])  # only its own rows
+        total += dp
+    assert np.allclose(total, dpos, rtol=0, atol=1e-15)
