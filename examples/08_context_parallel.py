@@ -185,15 +185,14 @@ def make_main(a):
                          want["backward"], cost.FORMULAS[m][1]])  # fmt: skip
         print(format_table(["method", "fwd", "formula", "fwd formula", "bwd", "formula",
                             "bwd formula"], rows))  # fmt: skip
-        print(f"\nattention cache per rank, {a.balance} (bytes kept for the backward; ledger == cost.cache_nbytes"
-              f"); single-rank ops attention: {8 * b * S * (3 * H + A * S)} / {24 * b * S * H}")  # fmt: skip
+        print(f"\nattention cache per cp rank, {a.balance}: bytes kept for the backward (ledger == "
+              f"cost.cache_nbytes); single-rank ops attention: {8 * b * S * (3 * H + A * S)} / "
+              f"{24 * b * S * H}")  # fmt: skip
         rows = []
         for m in methods:
             for keep in (True, False):
-                held = [
-                    e[2][m, a.balance, keep][3] for e in sorted(every, key=lambda e: e[1]["cp"])
-                ]
-                rows.append([m, "keep" if keep else "recompute", *held[:C]])  # fmt: skip
+                held = {e[1]["cp"]: e[2][m, a.balance, keep][3] for e in every if not e[1]["dp"]}
+                rows.append([m, "keep" if keep else "recompute", *(held[r] for r in range(C))])
         print(format_table(["method", "probs", *(f"cp {r}" for r in range(C))], rows))
         rows = [[e[0], e[1]["cp"], " ".join(map(str, sorted(set(e[4].values())))),
                  cost.block_activation_bytes(cfg, a.method, b, S, C, recompute=a.recompute,
