@@ -5,11 +5,11 @@
 
 Every rank trains on its slice of each global batch; the run is compared, by name, with
 reference_train on the whole batch in the same precision (losses, gradients, parameters or their
-updates, Adam m and v; tolerances measured, parallel/dp_compare.py; MoE routing first). Printed
+updates, Adam m and v; tolerances measured, parallel/check/data.py; MoE routing first). Printed
 beside the ZeRO paper's figures as numbers (Rajbhandari et al. 2020, sections 3.1 and 7): bytes
 sent per rank per step (2, 2, 2, 3 Psi at k = 1, and the k-scaled count moved here), static
 memory (16 Psi, 4 Psi + 12 Psi/D, 2 Psi + 14 Psi/D, 16 Psi/D in mixed), padding included; peak
-memory per category beside its formula (parallel/dp_check.py); and the order the collectives
+memory per category beside its formula (parallel/data/cost.py); and the order the collectives
 fired in: DDP buckets at their backward point (Li et al. 2020, section 3.2.3), ZeRO-3 gathers
 with prefetch (Zhao et al. 2023, section 3.3.3).
 """
@@ -25,7 +25,9 @@ from emulator.data import synthetic_batch
 from emulator.ledger import format_table
 from emulator.model import ModelConfig, n_params
 from emulator.reference import reference_train
-from parallel.dp_check import (
+from parallel.check.data import compare_dp
+from parallel.check.routing import reference_routes
+from parallel.data.cost import (
     PAPER,
     PAPER_WIRE,
     paper_figures,
@@ -34,9 +36,7 @@ from parallel.dp_check import (
     step_bytes,
     wire_elements,
 )
-from parallel.dp_compare import compare_dp
-from parallel.dp_train import train_data_parallel
-from parallel.moe_routing import reference_routes
+from parallel.data.train import train_data_parallel
 
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 p.add_argument("--stage", choices=["ddp", "1", "2", "3"], default="ddp")

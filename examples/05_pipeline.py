@@ -35,16 +35,22 @@ from emulator.model import ModelConfig
 from emulator.precision import compute_dtype
 from emulator.reference import reference_train
 from emulator.trace import ascii_timeline, write_chrome_trace
-from parallel.bubble import Cost, bubble_formula, in_flight_formula, measured_bubble, replay
-from parallel.pipeline import stage_param_names
-from parallel.pipeline_cost import (
+from parallel.pipeline.bubble import (
+    Cost,
+    bubble_formula,
+    in_flight_formula,
+    measured_bubble,
+    replay,
+)
+from parallel.pipeline.cost import (
     boundary_bytes,
     dp_bytes,
     peak_activation_bytes,
     peak_closed_form,
     unit_bytes,
 )
-from parallel.pipeline_train import pipeline_train
+from parallel.pipeline.executor import stage_param_names
+from parallel.pipeline.train import pipeline_train
 
 p_ = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p_.add_argument("--pp", type=int, default=4, help="pipeline stages p")
