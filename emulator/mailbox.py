@@ -113,7 +113,9 @@ class Mailbox:
             while w.failure is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return None
+                    deadline, left = _extend(w, deadline)
+                    if left <= 0:
+                        return None
                 self.sleeping = True
                 self.cond.wait(min(left, MAX_SLEEP))
                 self.sleeping = False
@@ -143,7 +145,9 @@ class Mailbox:
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return False
+                    deadline, left = _extend(w, deadline)
+                    if left <= 0:
+                        return False
                 self.sleeping = True
                 self.cond.wait(min(left, MAX_SLEEP))
                 self.sleeping = False
@@ -174,6 +178,22 @@ class Mailbox:
     def pending(self) -> list:
         with self.lock:
             return list(self.box.items())
+
+
+def _extend(world, deadline: float) -> tuple:
+    """An expired deadline, unless the world is still starting: (deadline, seconds left).
+
+    No deadline expires before every rank's thread runs (`world.started_at`): starting 1,024
+    threads takes 0.3-1 s, and a 1 s wait must not expire while its peer's thread is created.
+    Ranks still start in order as their threads do, so the first ranks run first.
+    """
+    now = time.monotonic()
+    start = world.started_at
+    if start is None:
+        return now + 0.05, 0.05  # still starting: look again shortly (start-up only)
+    if start + world.timeout > now:
+        return start + world.timeout, start + world.timeout - now
+    return deadline, 0.0
 
 
 def leftover_report(world, receiver: int, kc, sub) -> str:

@@ -1,9 +1,10 @@
 """`spawn`'s own wait for its ranks: never without a deadline, and Ctrl-C stops the run.
 
 Threads cannot be killed, so the ranks are daemon threads and the spawning thread waits in
-short slices (a signal such as Ctrl-C is handled between them) instead of joining. No rank
-starts its program before every thread runs (`world.started`), so no deadline runs while a
-peer's thread is still being created; an OS refusing a thread is a `RuntimeError` naming the rank.
+short slices (a signal such as Ctrl-C is handled between them) instead of joining. No wait's
+deadline expires before every thread runs (`world.started_at`, `mailbox._extend`), so none runs
+out while a peer's thread is still being created; an OS refusing a thread is a `RuntimeError`
+naming the rank.
 
 - once some rank has returned, a rank that neither communicates (its `progress` counter) nor
   returns for `timeout` seconds, and is not in a communication wait (which has its own
@@ -44,11 +45,10 @@ def supervise(w, threads) -> str:
                     f"spawn: could not start the thread of virtual rank {r} of {w.size} ({exc}); "
                     f"the OS limits threads per process (ulimit -u, memory): use fewer ranks"
                 ) from exc
-        w.started.set()  # every rank may run its program now
+        w.started_at = time.monotonic()  # deadlines may expire from now on
         return _wait(w, threads)
     except BaseException as exc:  # Ctrl-C (or no thread): stop the ranks, then re-raise
         w.abort(-1, RankAborted(f"stopped: the run was interrupted ({type(exc).__name__})"))
-        w.started.set()
         _stop(w, threads, _drain(w, min(GRACE, w.timeout)))
         raise
 
