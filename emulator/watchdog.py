@@ -14,8 +14,9 @@ naming the rank.
   ranks still running are named in a note on the re-raised failure;
 - KeyboardInterrupt aborts the world (every rank raises `RankAborted` at its next call) and is
   re-raised.
-A rank left running outside any communication gets `RankAborted` injected into its thread
-(`PyThreadState_SetAsyncExc`): a Python loop stops at once, a sleep or C call when it returns.
+A rank left running outside any communication and burning CPU gets `RankAborted` injected into
+its thread (`PyThreadState_SetAsyncExc`): a Python loop stops at once. A sleeping rank is left
+alone (it stops at its next send or receive; ranks are daemon threads, see `_stop`).
 """
 
 from __future__ import annotations
@@ -123,13 +124,32 @@ def _drain(w, grace: float) -> list:
 
 
 def _stop(w, threads, ranks) -> None:
-    """Inject RankAborted into ranks outside any communication wait (waits were notified)."""
-    for r in ranks:
-        ident = threads[r].ident
-        if ident is not None and not w.exited[r] and not w.states[r].waiting:
+    """Inject RankAborted into the ranks that are burning CPU outside a communication wait.
+
+    Only those: in CPython 3.11 a pending async exception raises an interpreter-wide flag that
+    only the target thread clears, when it next runs bytecode; a thread asleep for an hour left
+    every other thread on the slow path of the eval loop meanwhile (a hypothesis test that takes
+    0.4 s ran for over 15 minutes). A sleeping or lock-blocked thread uses no CPU; a Python loop
+    (or a C call, whose return then delivers the exception at once) does.
+    """
+    live = [r for r in ranks if threads[r].ident is not None and not w.exited[r]]
+    before = {r: _cpu(threads[r].ident) for r in live}
+    time.sleep(0.1)
+    for r in live:
+        now = _cpu(threads[r].ident)
+        busy = before[r] is not None and now is not None and now - before[r] > 0.005
+        if busy and not w.exited[r] and not w.states[r].waiting:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(ident), ctypes.py_object(RankAborted)
+                ctypes.c_ulong(threads[r].ident), ctypes.py_object(RankAborted)
             )
+
+
+def _cpu(ident: int) -> float | None:
+    """CPU seconds the thread has used (Linux, macOS), or None if it cannot be read."""
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+    except (AttributeError, OSError, OverflowError):
+        return None
 
 
 def _where(threads, ranks, limit: int = 16) -> str:
