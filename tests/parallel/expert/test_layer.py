@@ -1,0 +1,79 @@
+"""The expert-parallel MoE layer vs emulator/moe.py on the gathered routing groups (float64):
+outputs, aux, dm, every parameter gradient, and the ledger's bytes vs parallel/expert/cost.py."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.parallel.expert.helpers import check, check_bytes, run
+
+MODES = ("exact", "padded")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("K", [1, 2, 3])
+@pytest.mark.parametrize("cf", [0.5, 1.0, 8.0])  # 8 = E: C >= N, nothing can drop
+def test_matches_reference(mode, K, cf):
+    ref, out = run(4, 8, K, cf, mode=mode, seed=K)
+    check(ref, out, 4)
+    check_bytes(ref, out, mode)
+    routes = [r for rs in ref[4] for r in rs]
+    dropped = sum(int((~r["keep"]).sum()) for r in routes)
+    assert (dropped == 0) == (cf == 8.0)  # the cases do (not) drop, as named
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_everything_dropped(mode):
+    ref, out = run(2, 4, 2, 0.0, mode=mode)
+    check(ref, out, 2)
+    check_bytes(ref, out, mode)
+    assert np.all(np.concatenate([o[0] for o in out]) == 0)  # no expert contributes
+    assert all(o[4]["fwd/dispatch"] == (0, 0) for o in out)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_expert_without_tokens_and_one_hot_expert(mode):
+    ref, out = run(4, 8, 2, 1.0, mode=mode, hot=5, cold=2, positive=True, seed=3)
+    check(ref, out, 4)
+    check_bytes(ref, out, mode)
+    routes = [r for rs in ref[4] for r in rs]
+    first = np.concatenate([r["topi"][:, 0] for r in routes])
+    assert np.all(first == 5)  # every token's first choice is expert 5 ...
+    assert not any(np.any(r["expert"] == 2) for r in routes)  # ... and nobody picks expert 2
+    assert any(np.any(~r["keep"]) for r in routes)  # expert 5 overflows: choices dropped
+    if mode == "exact":
+        assert all(int(o[5][:, 0].sum()) == 0 for o in out[1:2])  # rank 1 owns expert 2: no rows
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("P,E", [(4, 4), (2, 4), (3, 6), (1, 3)])
+def test_e_equals_ep_and_two_ep(mode, P, E):
+    ref, out = run(P, E, min(2, E), 1.0, mode=mode, seed=P + E)
+    check(ref, out, P)
+    check_bytes(ref, out, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_several_routing_groups_per_rank(mode):
+    ref, out = run(2, 4, 2, 0.75, mode=mode, B=2, S=4, n_groups=2, seed=7)
+    check(ref, out, 2)
+    check_bytes(ref, out, mode)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    P=st.integers(1, 4),
+    per=st.integers(1, 2),
+    K=st.integers(1, 3),
+    cf=st.sampled_from([0.0, 0.4, 1.0, 1.5, 4.0]),
+    B=st.integers(1, 2),
+    S=st.integers(1, 4),
+    mode=st.sampled_from(MODES),
+    seed=st.integers(0, 99),
+)
+def test_property(P, per, K, cf, B, S, mode, seed):
+    E = P * per
+    ref, out = run(P, E, min(K, E), cf, B=B, S=S, mode=mode, seed=seed)
+    check(ref, out, P)
+    check_bytes(ref, out, mode)
