@@ -73,6 +73,9 @@ def exact_bytes_pairwise(kept, H: int, itemsize: int, rank: int) -> dict:
 def kept_table(routes_per_rank, E: int) -> np.ndarray:
     """routes_per_rank[s]: the route dicts (emulator.moe.route) of rank s's groups -> kept (P, E)."""
     return np.array(
-        [sum(np.bincount(r["expert"][r["keep"]], minlength=E) for r in rs) for rs in routes_per_rank],
+        [
+            sum(np.bincount(r["expert"][r["keep"]], minlength=E) for r in rs)
+            for rs in routes_per_rank
+        ],
         np.int64,
     )

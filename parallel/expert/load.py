@@ -37,7 +37,9 @@ def format_load(t: dict, first: int = 0, rows_in=None) -> str:
     """The table as text: one row per expert; ``rows_in`` (El,) adds a column for the experts
     this rank holds (experts first .. first + El - 1)."""
     E = t["routed"].size
-    head = ["expert", "routed", "kept", "dropped"] + (["computed here"] if rows_in is not None else [])
+    head = ["expert", "routed", "kept", "dropped"] + (
+        ["computed here"] if rows_in is not None else []
+    )
     rows = []
     for e in range(E):
         row = [e, int(t["routed"][e]), int(t["kept"][e]), int(t["dropped"][e])]
