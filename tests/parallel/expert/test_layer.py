@@ -6,7 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.parallel.expert.helpers import check, check_bytes, run
+import emulator
+from emulator import moe
+from parallel.expert.layer import ep_moe_backward, ep_moe_forward, local_experts
+from tests.emulator.fd_helpers import assert_close
+from tests.parallel.expert.helpers import TOL, check, check_bytes, params, run
 
 MODES = ("exact", "padded")
 
@@ -77,3 +81,27 @@ def test_property(P, per, K, cf, B, S, mode, seed):
     ref, out = run(P, E, min(K, E), cf, B=B, S=S, mode=mode, seed=seed)
     check(ref, out, P)
     check_bytes(ref, out, mode)
+
+
+def test_exact_mode_uneven_batches_per_rank():
+    """Ranks with different token counts (so different capacities): exact mode still equals the
+    reference on the same groups (padded mode refuses: test_errors.py)."""
+    rng, Bs, S, H = np.random.default_rng(5), [3, 1], 2, 4
+    mp, M = params(rng, H, 5, 4), rng.normal(size=(sum(Bs), S, H))
+    dY = rng.normal(size=M.shape)
+    groups = [np.arange(0, 6), np.arange(6, 8)]
+    y, aux, c = moe.moe_forward(mp, M, groups, top_k=2, capacity_factor=0.75)
+    dm, g = moe.moe_backward(dY, c, 0.2)
+
+    def fn(comm):
+        sl = slice(0, 3) if comm.rank == 0 else slice(3, 4)
+        kw = {"top_k": 2, "capacity_factor": 0.75}
+        yr, a, cache = ep_moe_forward(comm, local_experts(mp, comm.rank, 2), M[sl], None, **kw)
+        return (yr, a, *ep_moe_backward(dY[sl], cache, 0.1))
+
+    out = emulator.spawn(fn, 2)
+    assert_close("y", np.concatenate([o[0] for o in out]), y, **TOL)
+    assert_close("dm", np.concatenate([o[2] for o in out]), dm, **TOL)
+    assert_close("w1", np.concatenate([o[3]["w1"] for o in out]), g["w1"], **TOL)
+    assert_close("router", out[0][3]["router"] + out[1][3]["router"], g["router"], **TOL)
+    assert abs((out[0][1] + out[1][1]) / 2 - aux) < 1e-12
