@@ -27,9 +27,10 @@ from emulator.ops import (
 from emulator.precision import add, down, up
 
 RECOMPUTE = ("none", "selective", "full")
+MOE = (moe_forward, moe_backward)  # the single-rank MoE block (the default of moe_fn=)
 
 
-def _forward(bp, x, cfg, groups, keep_probs):
+def _forward(bp, x, cfg, groups, keep_probs, moe_fn=None):
     """-> (x_out, aux, cache). The computation shared by every mode."""
     c = {}
     a, c["ln1"] = layernorm_forward(x, bp["ln1.gain"], bp["ln1.bias"], cfg.ln_eps)  # (B, S, H)
@@ -44,7 +45,7 @@ def _forward(bp, x, cfg, groups, keep_probs):
     if cfg.is_moe:
         mp = {n[4:]: bp[n] for n in ("moe.router", "moe.w1", "moe.b1", "moe.w2", "moe.b2")}
         kw = {"top_k": cfg.moe_top_k, "capacity_factor": cfg.capacity_factor}
-        y, aux, c["moe"] = moe_forward(mp, m, groups, **kw)
+        y, aux, c["moe"] = (moe_fn or MOE)[0](mp, m, groups, **kw)
     else:
         z, c["w1"] = linear_forward(m, bp["mlp.w1"], bp["mlp.b1"])  # (B, S, F)
         h, c["gelu"] = gelu_forward(z)
@@ -53,18 +54,22 @@ def _forward(bp, x, cfg, groups, keep_probs):
     return add(x, y), aux, c
 
 
-def block_forward(bp, x, cfg, *, recompute="none", groups=None, mem=None, name="block"):
+def block_forward(bp, x, cfg, *, recompute="none", groups=None, mem=None, name="block",
+                  moe_fn=None):  # fmt: skip
     """x (B, S, H) -> (x_out (B, S, H), cache); the MoE aux loss is ``cache["aux"]`` (0 if dense).
+
+    ``moe_fn``: a (forward, backward) pair with moe_forward / moe_backward's signatures that
+    replaces the single-rank MoE block (expert parallelism: parallel/expert/layer.py); None = MOE.
 
     With ``mem``, the bytes the cache holds (excluding parameters) are allocated as
     ``activations/<name>`` now and freed by block_backward.
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTE}")
-    out, aux, inner = _forward(bp, x, cfg, groups, keep_probs=recompute == "none")
+    out, aux, inner = _forward(bp, x, cfg, groups, recompute == "none", moe_fn)
     saved = {"x": x} if recompute == "full" else inner  # full: everything else is dropped
     cache = {"mode": recompute, "saved": saved, "aux": aux, "bp": bp, "cfg": cfg}
-    cache.update(groups=groups, mem=mem, name=name)
+    cache.update(groups=groups, mem=mem, name=name, moe_fn=moe_fn or MOE)
     if mem is not None:
         mem.alloc("activations", name, saved_nbytes(saved, exclude=bp.values()))
     return out, cache
@@ -77,12 +82,12 @@ def block_backward(dx, cache, daux=None):
     daux = cfg.aux_loss_coef if daux is None else daux
     c = cache["saved"]
     if cache["mode"] == "full":  # rerun the forward from the kept input (Chen et al. 2016)
-        _, _, c = _forward(bp, c["x"], cfg, cache["groups"], keep_probs=True)
+        _, _, c = _forward(bp, c["x"], cfg, cache["groups"], True, cache["moe_fn"])
         if mem is not None:
             mem.alloc("activations", name + ".recomputed", saved_nbytes(c, exclude=bp.values()))
     g = {}
     if cfg.is_moe:
-        dm, dmp = moe_backward(dx, c["moe"], daux)
+        dm, dmp = cache["moe_fn"][1](dx, c["moe"], daux)
         g.update({"moe." + n: d for n, d in dmp.items()})
     else:
         dh, g["mlp.w2"], g["mlp.b2"] = linear_backward(dx, c["w2"])

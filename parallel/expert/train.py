@@ -1,0 +1,193 @@
+"""ep x dp training: every block's MoE over an expert-parallel group, the rest data-parallel,
+comparable with emulator.reference.reference_train on the same global batch and routing groups.
+
+Shape letters: D world ranks (all data-parallel), P = ep, E experts, El = E / P.
+
+The ranks form Mesh(edp = D / P, ep = P) (ep last: an ep group is P neighbouring ranks, as in
+Megatron-core). Every rank takes its data-parallel slice of the batch (emulator.data.shard_batch)
+and routes its own tokens, so rank r's micro-batch j is the reference's micro-batch r k + j and
+its routing groups are the reference's for that micro-batch (one per micro-batch by default).
+Rank r holds every replicated parameter and the experts c El .. (c+1) El - 1 of every block,
+c = its ep coordinate. After the backward:
+  replicated gradients   summed over all D ranks (the data-parallel all-reduce; tag dp/grads)
+  expert gradients       already complete over the ep group's tokens (the all-to-alls carried
+                         them); summed over the D / P ranks holding the same experts (tag
+                         edp/grads, the "expert-data-parallel" group of Megatron / DeepSpeed)
+Clipping: one global norm over the ep group, replicated gradients weighted 1/P (parallel/clip.py).
+Then AdamW on the local parameters - elementwise, so it commutes with the expert split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+from collectives.api import all_reduce
+from emulator import Mesh, scope
+from emulator.block import block_backward, block_forward
+from emulator.data import shard_batch, split_microbatches
+from emulator.model import (
+    block_params,
+    check_inputs,
+    embed_backward,
+    embed_forward,
+    head_backward,
+    head_forward,
+    init_params,
+    to_compute,
+)
+from emulator.optim import AdamW
+from emulator.precision import down, up
+from parallel.clip import clip_
+from parallel.data.common import loss_scales
+from parallel.expert.layer import EXPERT_NAMES, check_ep, ep_moe_backward, ep_moe_forward
+
+
+@dataclasses.dataclass
+class EPRun:
+    losses: list  # global loss per step (every rank's share, summed in the reference's order)
+    grad_norms: list  # global norm before clipping
+    grads: dict  # last step's synced gradient, before clipping: this rank's (local) shapes
+    params: dict  # final local parameters (experts: this rank's slice)
+    moe: list  # [step][micro-batch][layer] -> {"routes", "counts", "bytes": {phase: (s, r)}}
+    # (routes / counts are None under recompute="full": the block keeps only its input)
+    memory: dict  # the MemoryLedger snapshot at the end
+    ep_rank: int
+    n_local: int  # El
+
+
+def is_expert(name: str) -> bool:
+    return ".moe." in name and name.rsplit(".", 1)[1] in EXPERT_NAMES
+
+
+def shard_experts(params, c: int, El: int) -> dict:
+    """Full parameters -> rank's: expert tensors sliced to experts c El .. (c+1) El - 1 (copies)."""
+    sl = slice(c * El, (c + 1) * El)
+    return {n: (a[sl] if is_expert(n) else a).copy() for n, a in params.items()}
+
+
+def check_axes(D: int, ep: int, cfg) -> int:
+    """-> El; named errors for a dense model, ep not dividing D, E % ep, top_k > E."""
+    if not cfg.is_moe:
+        raise ValueError("expert parallelism needs an MoE model (n_experts > 0)")
+    if ep < 1 or D % ep:
+        raise ValueError(
+            f"ep={ep} must divide the {D} data-parallel ranks (the ep group is drawn from them); "
+            f"choose ep in {[d for d in range(1, D + 1) if D % d == 0]}"
+        )
+    return check_ep(cfg.n_experts, ep, cfg.moe_top_k)
+
+
+def check_batch(D: int, batch: int, k: int) -> None:
+    if k < 1 or batch % D or (batch // D) % k:
+        raise ValueError(
+            f"batch B={batch} must split over D={D} ranks into {k} equal micro-batches each"
+        )
+
+
+def ep_train(comm, cfg, seed, batches, steps, *, ep, microbatches=1, dispatch="exact", lr=1e-3,
+             betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=None, groups_fn=None,
+             recompute="none") -> EPRun:  # fmt: skip
+    D, k = comm.size, microbatches
+    El = check_axes(D, ep, cfg)
+    mesh = Mesh(comm, edp=D // ep, ep=ep)
+    c = mesh.coord("ep")
+    params = shard_experts(init_params(cfg, seed), c, El)
+    opt = AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    moe_fn = (partial(ep_moe_forward, mesh["ep"], dispatch=dispatch), ep_moe_backward)
+    mem = comm.memory
+    mem.reset_peak()
+    statics = {"params": sum(p.nbytes for p in params.values()), "optimizer": opt.nbytes()}
+    statics["grads"] = statics["params"]
+    for cat, nbytes in statics.items():
+        mem.alloc(cat, "ep_train", nbytes)
+    run = EPRun([], [], {}, {}, [], {}, c, El)
+    try:
+        for step in range(steps):
+            tokens, targets = batches(step) if callable(batches) else batches[step]
+            tokens, targets = check_inputs(tokens, targets, cfg)
+            check_batch(D, tokens.shape[0], k)
+            mbs = split_microbatches(*shard_batch(tokens, targets, comm.rank, D), k)
+            b, S = tokens.shape[0] // (D * k), tokens.shape[1]
+            groups = [groups_fn(step, g, b, S) if groups_fn else None for g in range(D * k)]
+            n_groups = [1 if g is None else len(g) for g in groups]
+            compute, acc, shares, infos = to_compute(params, cfg), None, [], []
+            for j, (t, y) in enumerate(mbs):
+                g = comm.rank * k + j
+                ce_denom, aux_scale = loss_scales(tokens.size, n_groups[g], sum(n_groups))
+                mark = comm.ledger.mark()
+                share, grads, info = _microbatch(compute, t, y, cfg, ce_denom, aux_scale,
+                                                 groups[g], moe_fn, recompute, mem, j)  # fmt: skip
+                for layer, b in zip(info, layer_bytes(comm, comm.ledger.since(mark), cfg.n_layers)):
+                    layer["bytes"] = b
+                acc = grads if acc is None else {n: down(up(a) + up(grads[n]), a.dtype)
+                                                 for n, a in acc.items()}  # fmt: skip
+                shares.append(share)
+                infos.append(info)
+            run.moe.append(infos)
+            run.losses.append(sum(s for every in comm.allgather_object(shares) for s in every))
+            _sync(comm, mesh["edp"], acc)
+            run.grads = {n: a.copy() for n, a in acc.items()}
+            weights = {n: 1.0 / ep for n in acc if not is_expert(n)}
+            run.grad_norms.append(clip_(acc, max_norm, (mesh["ep"],), weights=weights)[0])
+            opt.step(params, acc)
+        run.params = {n: p.copy() for n, p in params.items()}
+        run.memory = mem.snapshot()
+        return run
+    finally:
+        for cat in statics:
+            mem.free(cat, "ep_train")
+
+
+def _sync(world, edp, grads) -> None:
+    """Sum replicated gradients over the world (dp) and expert gradients over edp, in place."""
+    for n, g in grads.items():
+        group, tag = (edp, "edp/grads") if is_expert(n) else (world, "dp/grads")
+        if group.size > 1:
+            with scope(tag):
+                g[...] = all_reduce(group, g, op="sum", algorithm="ring")
+
+
+def _microbatch(p, tokens, targets, cfg, ce_denom, aux_scale, groups, moe_fn, recompute, mem, j):
+    """model_forward / model_backward's arithmetic with the ep MoE block; ledger tags
+    blocks.i/ep/... -> (loss share, grads, [per layer {"routes", "counts", "bytes"}])."""
+    x, ecache = embed_forward(p, tokens)
+    caches, aux = [], []
+    for i in range(cfg.n_layers):
+        kw = {"recompute": recompute, "groups": groups, "mem": mem, "name": f"mb{j}.blocks.{i}"}
+        with scope(f"blocks.{i}"):
+            x, cache = block_forward(block_params(p, i), x, cfg, moe_fn=moe_fn, **kw)
+        caches.append(cache)
+        aux.append(cache["aux"])
+    ce, hcache = head_forward(p, x, targets, cfg, denom=ce_denom)
+    loss = float(ce) + cfg.aux_loss_coef * aux_scale * sum(aux)
+    daux = cfg.aux_loss_coef * aux_scale
+    grads = {}
+    dx, g = head_backward(1.0, hcache)
+    grads.update(g)
+    for i in reversed(range(cfg.n_layers)):
+        with scope(f"blocks.{i}"):
+            dx, dbp = block_backward(dx, caches[i], daux=daux)
+        grads.update({f"blocks.{i}.{n}": d for n, d in dbp.items()})
+    grads.update(embed_backward(dx, ecache))
+    infos = []
+    for cache in caches:
+        moe = cache["saved"].get("moe")  # absent under recompute="full" (only x is kept)
+        infos.append({k: None if moe is None else moe[k] for k in ("routes", "counts")})
+    return loss, {n: grads[n] for n in p}, infos
+
+
+def layer_bytes(comm, records, n_layers: int) -> list[dict]:
+    """Per layer {phase: (sent, received)} of the ep all-to-alls in ``records``."""
+    phases = ("fwd/counts", "fwd/dispatch", "fwd/combine", "bwd/combine", "bwd/dispatch")
+    led = comm.ledger
+    return [
+        {ph: (led.sent(records, tag=f"blocks.{i}/ep/{ph}"),
+              led.received(records, tag=f"blocks.{i}/ep/{ph}")) for ph in phases}
+        for i in range(n_layers)
+    ]  # fmt: skip
+
+
+def reference_slices(ref_params, c: int, El: int) -> dict:
+    """The reference's full parameters cut to this rank's shapes (for comparisons)."""
+    return shard_experts(ref_params, c, El)

@@ -1,0 +1,87 @@
+"""ep x dp training vs reference_train on the same batch and routing groups (float64): losses,
+grad norms, the last step's gradients and the parameters after 3 steps, cut to each rank's
+experts; the ep bytes of every layer and micro-batch against parallel/expert/cost.py."""
+
+import numpy as np
+import pytest
+
+import emulator
+from emulator.data import synthetic_batch
+from emulator.model import ModelConfig
+from emulator.reference import reference_train
+from parallel.expert.cost import layer_bytes
+from parallel.expert.train import ep_train, reference_slices
+from tests.emulator.fd_helpers import assert_close
+
+TOL = {"rtol": 1e-12, "atol": 1e-13}
+
+
+def _cfg(E=8, K=2, cf=1.0):
+    return ModelConfig(vocab_size=16, max_seq_len=6, d_model=8, n_heads=2, n_layers=2,
+                       n_experts=E, moe_top_k=K, capacity_factor=cf, aux_loss_coef=0.1)  # fmt: skip
+
+
+def _run(D, ep, mode, cfg, k=2, recompute="none", split=False, steps=3):
+    B = 2 * D * k
+
+    def batches(s):
+        return synthetic_batch(0, s, B, 6, cfg.vocab_size)
+
+    def groups_fn(step, mb, b, S):  # two interleaved routing groups per micro-batch
+        return [np.arange(0, b * S, 2), np.arange(1, b * S, 2)] if split else None
+
+    kw = {"max_norm": 0.5, "groups_fn": groups_fn}
+    ref = reference_train(cfg, 0, batches, steps, microbatches=D * k, **kw)
+
+    def fn(comm):
+        run = ep_train(comm, cfg, 0, batches, steps, ep=ep, microbatches=k, dispatch=mode,
+                       recompute=recompute, **kw)  # fmt: skip
+        kept = [
+            [[sum(np.bincount(r["expert"][r["keep"]], minlength=cfg.n_experts) for r in lay)
+              for lay in (x["routes"] for x in mb)] for mb in step]
+            for step in run.moe
+        ] if recompute != "full" else None  # fmt: skip
+        return run, comm.allgather_object(kept)
+
+    out = emulator.spawn(fn, D, timeout=120)
+    for r, (run, kept_all) in enumerate(out):
+        assert_close("losses", run.losses, ref.losses, **TOL)
+        assert_close("grad_norms", run.grad_norms, ref.grad_norms, **TOL)
+        for what, got, want in (
+            ("grads", run.grads, ref.grads),
+            ("params", run.params, ref.params),
+        ):
+            want = reference_slices(want, run.ep_rank, run.n_local)
+            assert set(got) == set(want)
+            for n in want:
+                assert_close(f"rank {r} {what} {n}", got[n], want[n], **TOL)
+        if recompute == "full":  # the backward reruns the forward: no routes kept
+            continue
+        base = (r // ep) * ep  # the world ranks of this rank's ep group
+        for s, step in enumerate(run.moe):
+            for j, mb in enumerate(step):
+                for i, layer in enumerate(mb):
+                    kept = np.array([kept_all[base + q][s][j][i] for q in range(ep)])
+                    C = sum(rt["C"] for rt in layer["routes"])
+                    want = layer_bytes(mode, kept, C, cfg.d_model, 8, r % ep)
+                    assert layer["bytes"] == want, (r, s, j, i, layer["bytes"], want)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["exact", "padded"])
+@pytest.mark.parametrize("D,ep", [(4, 4), (4, 2), (2, 1)])
+def test_ep_dp_matches_reference(mode, D, ep):
+    _run(D, ep, mode, _cfg())
+
+
+def test_dropping_k3_two_groups_full_recompute():
+    _run(2, 2, "exact", _cfg(E=4, K=3, cf=0.5), split=True, recompute="full")
+    _run(2, 2, "padded", _cfg(E=2, K=1, cf=0.75), split=True, recompute="selective")
+
+
+def test_ep_must_divide_the_data_parallel_ranks():
+    def fn(comm):
+        ep_train(comm, _cfg(), 0, lambda s: synthetic_batch(0, s, 6, 6, 16), 1, ep=4)
+
+    with pytest.raises(ValueError, match=r"ep=4 must divide the 3 data-parallel ranks"):
+        emulator.spawn(fn, 3, timeout=30)
