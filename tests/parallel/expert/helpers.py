@@ -42,9 +42,10 @@ def rank_groups(B, S, n_groups):
     return [np.arange(g, B * S, n_groups) for g in range(n_groups)]
 
 
-def run(P, E, K, cf, *, B=2, S=3, H=4, F=5, mode="exact", n_groups=1, seed=0, hot=None,
-        cold=None, positive=False):  # fmt: skip
-    """-> (ref, got): the reference's (y, aux, dm, grads, routes per rank) and the ep run's."""
+def case(P, E, K, cf, *, B=2, S=3, H=4, F=5, mode="exact", n_groups=1, seed=0, hot=None,
+         cold=None, positive=False):  # fmt: skip
+    """-> (ref, fn): the reference's (y, aux, dm, grads, routes per rank, mp) on the gathered
+    groups, and fn(comm) running one rank of the ep layer (forward, backward, its ledger)."""
     rng = np.random.default_rng(seed)
     mp = params(rng, H, F, E, hot, cold)
     M = rng.normal(size=(P * B, S, H))
@@ -69,8 +70,13 @@ def run(P, E, K, cf, *, B=2, S=3, H=4, F=5, mode="exact", n_groups=1, seed=0, ho
                for t in TAGS}  # fmt: skip
         return yr, auxr, dmr, g, led, c["counts"]
 
-    out = emulator.spawn(fn, P)
-    return (y, aux, dm, grads, routes, mp), out
+    return (y, aux, dm, grads, routes, mp), fn
+
+
+def run(P, E, K, cf, **kw):
+    """-> (ref, out): the reference and every virtual rank's (y, aux, dm, grads, ledger, counts)."""
+    ref, fn = case(P, E, K, cf, **kw)
+    return ref, emulator.spawn(fn, P)
 
 
 def check(ref, out, P):
