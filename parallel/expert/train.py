@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 from functools import partial
 
+import numpy as np
+
 from collectives.api import all_reduce
 from emulator import Mesh, scope
 from emulator.block import block_backward, block_forward
@@ -38,6 +40,8 @@ from emulator.model import (
 )
 from emulator.optim import AdamW
 from emulator.precision import down, up
+from emulator.reference import account_state
+from parallel.check.routing import decisions
 from parallel.clip import clip_
 from parallel.data.common import loss_scales
 from parallel.expert.layer import EXPERT_NAMES, check_ep, ep_moe_backward, ep_moe_forward
@@ -49,11 +53,12 @@ class EPRun:
     grad_norms: list  # global norm before clipping
     grads: dict  # last step's synced gradient, before clipping: this rank's (local) shapes
     params: dict  # final local parameters (experts: this rank's slice)
-    moe: list  # [step][micro-batch][layer] -> {"routes", "counts", "bytes": {phase: (s, r)}}
+    moe: list  # [step][micro-batch][layer] -> {"routes", "counts", "decisions", "bytes"}
     # (routes / counts are None under recompute="full": the block keeps only its input)
     memory: dict  # the MemoryLedger snapshot at the end
     ep_rank: int
     n_local: int  # El
+    opt_state: dict = dataclasses.field(default_factory=dict)  # {"m", "v"}: local shapes
 
 
 def is_expert(name: str) -> bool:
@@ -97,10 +102,9 @@ def ep_train(comm, cfg, seed, batches, steps, *, ep, microbatches=1, dispatch="e
     moe_fn = (partial(ep_moe_forward, mesh["ep"], dispatch=dispatch), ep_moe_backward)
     mem = comm.memory
     mem.reset_peak()
-    statics = {"params": sum(p.nbytes for p in params.values()), "optimizer": opt.nbytes()}
-    statics["grads"] = statics["params"]
-    for cat, nbytes in statics.items():
-        mem.alloc(cat, "ep_train", nbytes)
+    account_state(mem, cfg, params, opt)  # the reference's static categories, local sizes
+    statics = [("params", "master"), ("grads", "grads"), ("optimizer", "adamw")]
+    statics += [("params", "compute_copy")] if cfg.dtype == "mixed" else []
     run = EPRun([], [], {}, {}, [], {}, c, El)
     try:
         for step in range(steps):
@@ -132,11 +136,12 @@ def ep_train(comm, cfg, seed, batches, steps, *, ep, microbatches=1, dispatch="e
             run.grad_norms.append(clip_(acc, max_norm, (mesh["ep"],), weights=weights)[0])
             opt.step(params, acc)
         run.params = {n: p.copy() for n, p in params.items()}
+        run.opt_state = {"m": opt.m, "v": opt.v}
         run.memory = mem.snapshot()
         return run
     finally:
-        for cat in statics:
-            mem.free(cat, "ep_train")
+        for cat, name in statics:
+            mem.free(cat, name)
 
 
 def _sync(world, edp, grads) -> None:
@@ -150,7 +155,7 @@ def _sync(world, edp, grads) -> None:
 
 def _microbatch(p, tokens, targets, cfg, ce_denom, aux_scale, groups, moe_fn, recompute, mem, j):
     """model_forward / model_backward's arithmetic with the ep MoE block; ledger tags
-    blocks.i/ep/... -> (loss share, grads, [per layer {"routes", "counts", "bytes"}])."""
+    blocks.i/ep/... -> (loss share, grads, [per layer {"routes", "counts", "decisions"}])."""
     x, ecache = embed_forward(p, tokens)
     caches, aux = [], []
     for i in range(cfg.n_layers):
@@ -173,7 +178,10 @@ def _microbatch(p, tokens, targets, cfg, ce_denom, aux_scale, groups, moe_fn, re
     infos = []
     for cache in caches:
         moe = cache["saved"].get("moe")  # absent under recompute="full" (only x is kept)
-        infos.append({k: None if moe is None else moe[k] for k in ("routes", "counts")})
+        info = {k: None if moe is None else moe[k] for k in ("routes", "counts")}
+        pairs = None if moe is None else list(zip(moe["groups"], moe["routes"]))
+        info["decisions"] = None if moe is None else decisions(pairs, tokens.shape[1])
+        infos.append(info)
     return loss, {n: grads[n] for n in p}, infos
 
 
@@ -191,3 +199,42 @@ def layer_bytes(comm, records, n_layers: int) -> list[dict]:
 def reference_slices(ref_params, c: int, El: int) -> dict:
     """The reference's full parameters cut to this rank's shapes (for comparisons)."""
     return shard_experts(ref_params, c, El)
+
+
+@dataclasses.dataclass
+class FullView:
+    """Every rank's EPRun put back to full shape, as parallel/check/data.py's compare_dp reads a
+    data-parallel run: losses, grads, params, opt_state {"m", "v"}, routing [step][global
+    micro-batch r k + j][layer] -> [Route per group]."""
+
+    losses: list
+    grad_norms: list
+    grads: dict
+    params: dict
+    opt_state: dict
+    routing: list
+
+
+def assemble(runs, ep: int) -> FullView:
+    """runs: the EPRun of every world rank, in rank order (gathered uncounted). Experts are cut
+    along axis 0 by ep coordinate (ranks 0..ep-1 hold coordinates 0..ep-1); replicated tensors
+    come from rank 0. Raises if a replica disagrees bitwise with the rank it copies."""
+    for r, run in enumerate(runs):  # edp replicas are summed by the same all-reduce: same bits
+        twin = runs[r % ep]
+        for n, a in run.params.items():
+            if a.tobytes() != twin.params[n].tobytes():
+                raise AssertionError(f"rank {r} holds {n} differently from rank {r % ep}")
+
+    def full(get):
+        return {
+            n: np.concatenate([get(runs[c])[n] for c in range(ep)]) if is_expert(n) else a
+            for n, a in get(runs[0]).items()
+        }
+
+    routing = [
+        [[lay["decisions"] for lay in mb] for run in runs for mb in run.moe[s]]
+        for s in range(len(runs[0].moe))
+    ]
+    opt = {k: full(lambda run, k=k: run.opt_state[k]) for k in ("m", "v")}
+    return FullView(runs[0].losses, runs[0].grad_norms, full(lambda run: run.grads),
+                    full(lambda run: run.params), opt, routing)  # fmt: skip

@@ -2,6 +2,8 @@
 grad norms, the last step's gradients and the parameters after 3 steps, cut to each rank's
 experts; the ep bytes of every layer and micro-batch against parallel/expert/cost.py."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -9,8 +11,10 @@ import emulator
 from emulator.data import synthetic_batch
 from emulator.model import ModelConfig
 from emulator.reference import reference_train
+from parallel.check.data import compare_dp
+from parallel.check.routing import reference_routes
 from parallel.expert.cost import layer_bytes
-from parallel.expert.train import ep_train, reference_slices
+from parallel.expert.train import assemble, ep_train, reference_slices
 from tests.emulator.fd_helpers import assert_close
 
 TOL = {"rtol": 1e-12, "atol": 1e-13}
@@ -85,3 +89,26 @@ def test_ep_must_divide_the_data_parallel_ranks():
 
     with pytest.raises(ValueError, match=r"ep=4 must divide the 3 data-parallel ranks"):
         emulator.spawn(fn, 3, timeout=30)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "mixed"])
+@pytest.mark.parametrize("mode", ["exact", "padded"])
+def test_lower_precision_with_the_routing_rule(dtype, mode):
+    """float32 / mixed vs the same-dtype reference under parallel/check/data.py's measured
+    tolerances; routing compared first (a flip must be a bf16 near tie, and never in float32)."""
+    cfg = dataclasses.replace(_cfg(E=4, K=2, cf=1.0), dtype=dtype)
+    D, ep, k, steps = 4, 2, 2, 3
+
+    def batches(s):
+        return synthetic_batch(0, s, 2 * D * k, 6, cfg.vocab_size)
+
+    kw = {"max_norm": 0.5, "microbatches": k}
+    ref = reference_train(cfg, 0, batches, steps, microbatches=D * k, max_norm=0.5)
+    routes = reference_routes(cfg, 0, batches, steps, microbatches=D * k, max_norm=0.5)
+    runs = emulator.spawn(
+        lambda comm: ep_train(comm, cfg, 0, batches, steps, ep=ep, dispatch=mode, **kw), D
+    )
+    _, problems, note = compare_dp(assemble(runs, ep), ref, dtype, routes, cfg.moe_top_k)
+    print(note)
+    assert not problems, problems
+    assert "routing identical" in note or dtype == "mixed"
