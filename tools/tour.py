@@ -47,6 +47,7 @@ RUNS = [
     ("07_expert_parallel.py", 4, ["--ep", "4", "--experts", "8", "--top-k", "2"]),
     ("07_expert_parallel.py", 4, ["--ep", "4", "--dispatch", "padded"]),
     ("07_expert_parallel.py", 8, ["--dp", "2", "--ep", "4", "--top-k", "3"]),
+    ("07_expert_parallel.py", 4, ["--ep", "2", "--top-k", "8", "--dtype", "mixed"]),  # K = E
 ]
 
 
