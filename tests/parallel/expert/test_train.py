@@ -6,6 +6,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import emulator
 from emulator.data import synthetic_batch
@@ -112,3 +114,29 @@ def test_lower_precision_with_the_routing_rule(dtype, mode):
     print(note)
     assert not problems, problems
     assert "routing identical" in note or dtype == "mixed"
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    ep=st.integers(1, 2),
+    edp=st.integers(1, 2),
+    per=st.integers(1, 2),
+    K=st.integers(1, 3),
+    cf=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+    b=st.integers(1, 2),
+    S=st.integers(1, 4),
+    mode=st.sampled_from(["exact", "padded"]),
+)
+def test_property_ep_dp(ep, edp, per, K, cf, b, S, mode):
+    D, E = ep * edp, ep * per
+    cfg = ModelConfig(vocab_size=8, max_seq_len=4, d_model=4, n_heads=1, n_layers=1, d_ff=6,
+                      n_experts=E, moe_top_k=min(K, E), capacity_factor=cf)  # fmt: skip
+
+    def batches(s):
+        return synthetic_batch(1, s, b * D, S, cfg.vocab_size)
+
+    ref = reference_train(cfg, 0, batches, 2, microbatches=D)
+    for run in emulator.spawn(lambda c: ep_train(c, cfg, 0, batches, 2, ep=ep, dispatch=mode), D):
+        assert_close("losses", run.losses, ref.losses, **TOL)
+        for n, want in reference_slices(ref.params, run.ep_rank, run.n_local).items():
+            assert_close(n, run.params[n], want, **TOL)
