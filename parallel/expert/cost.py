@@ -18,6 +18,8 @@ experts, R[s, d] = sum_{e in d's experts} kept[s, e], and keeps R[s, s] (no byte
   padded (GShard / DeepSpeed; fixed-size all-to-all of (E, C, H) with empty slots as zeros):
     each of the four   sent = received = (P-1) El C H w = (P-1)/P E C H w;  no counts
 The same formulas in the pairwise_all_to_allv form of collectives/cost.py are checked to agree.
+Under recompute="full" the backward reruns the block's forward, all-to-alls included: the three
+fwd phases then move twice these bytes per layer (tests/parallel/expert/test_train.py).
 """
 
 from __future__ import annotations
