@@ -27,6 +27,9 @@ from __future__ import annotations
 import numpy as np
 
 from collectives import cost as ccost
+from emulator.flops import activation_bytes_per_block, moe_group_bytes
+from emulator.moe import capacity
+from emulator.precision import arith_dtype, compute_dtype
 
 PHASES = ("fwd/counts", "fwd/dispatch", "fwd/combine", "bwd/combine", "bwd/dispatch")
 
@@ -80,4 +83,35 @@ def kept_table(routes_per_rank, E: int) -> np.ndarray:
             for rs in routes_per_rank
         ],
         np.int64,
+    )
+
+
+# -- activation memory -------------------------------------------------------------------------
+def ep_moe_activation_bytes(cfg, group_sizes, rows_in: int) -> int:
+    """What the ep MoE block's cache holds on one rank (layer.py), beside the single-rank
+    flops.moe_group_bytes: per routing group of N tokens the same router state, indices and the
+    gathered tokens u (N H), and the expert outputs unpacked to (E, C_g, H) for the combine
+    backward; but the experts' inputs, z and GELU outputs only for the rows_in rows this rank's
+    experts received (exact: the counts; padded: E sum_g C_g), (rows_in, H + 2F), instead of
+    (E, C, 2H + 2F) per group; plus the rows table n (G, E) and the counts (P, El) as int64."""
+    a = compute_dtype(cfg.dtype).itemsize
+    r = arith_dtype(compute_dtype(cfg.dtype)).itemsize
+    H, F, E, K = cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.moe_top_k
+    total = 0
+    for N in group_sizes:
+        C = capacity(N, K, E, cfg.capacity_factor)
+        total += a * (N * H + E * C * H) + r * (N * E + N * K + E) + 8 * (N + 4 * N * K) + K * N
+    return total + a * rows_in * (H + 2 * F) + 8 * (len(group_sizes) * E + E)
+
+
+def ep_block_activation_bytes(cfg, B, S, rows_in: int, recompute="none", group_sizes=None):
+    """flops.activation_bytes_per_block with its MoE groups replaced by the ep block's bytes."""
+    sizes = [B * S] if group_sizes is None else list(group_sizes)
+    whole = activation_bytes_per_block(cfg, B, S, recompute, sizes)
+    if recompute == "full":
+        return whole
+    return (
+        whole
+        - sum(moe_group_bytes(cfg, n) for n in sizes)
+        + ep_moe_activation_bytes(cfg, sizes, rows_in)
     )

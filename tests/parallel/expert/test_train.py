@@ -15,7 +15,7 @@ from emulator.model import ModelConfig
 from emulator.reference import reference_train
 from parallel.check.data import compare_dp
 from parallel.check.routing import reference_routes
-from parallel.expert.cost import layer_bytes
+from parallel.expert.cost import ep_block_activation_bytes, layer_bytes
 from parallel.expert.train import assemble, ep_train, reference_slices
 from tests.emulator.fd_helpers import assert_close
 
@@ -63,6 +63,14 @@ def _run(D, ep, mode, cfg, k=2, recompute="none", split=False, steps=3):
                 assert_close(f"rank {r} {what} {n}", got[n], want[n], **TOL)
         if recompute == "full":  # the backward reruns the forward: no routes kept
             continue
+        b, S = 2, 6  # each rank's micro-batch
+        sizes = [len(range(0, b * S, 2)), len(range(1, b * S, 2))] if split else None
+        peak = max(
+            sum(ep_block_activation_bytes(cfg, b, S, int(lay["counts"].sum()), recompute, sizes)
+                for lay in mb)
+            for step in run.moe for mb in step
+        )  # fmt: skip
+        assert run.memory["peak"]["activations"] == peak, (r, run.memory["peak"], peak)
         base = (r // ep) * ep  # the world ranks of this rank's ep group
         for s, step in enumerate(run.moe):
             for j, mb in enumerate(step):
