@@ -32,7 +32,7 @@ from emulator.precision import compute_dtype, master_dtype
 from emulator.reference import reference_train
 from parallel.check.data import TOL, compare_dp
 from parallel.check.routing import reference_routes
-from parallel.expert.cost import PHASES, layer_bytes
+from parallel.expert.cost import PHASES, ep_block_activation_bytes, layer_bytes
 from parallel.expert.load import format_load, load_table, received
 from parallel.expert.train import assemble, ep_train, is_expert
 
@@ -100,10 +100,14 @@ def main(comm) -> int:
     static = {"params": n_local * (m_ + (c_ if cfg.dtype == "mixed" else 0)),
               "grads": n_local * c_, "optimizer": 2 * n_local * m_}  # fmt: skip
     got = {cat: run.memory["current"][cat] for cat in static}
-    ok = ok and got == static
+    b = B // (D * k)
+    peak = max(sum(ep_block_activation_bytes(cfg, b, S, int(lay["counts"].sum())) for lay in mb)
+               for st in run.moe for mb in st)  # fmt: skip
+    ok = ok and got == static and run.memory["peak"]["activations"] == peak
     lines.append(f"static memory per rank: {got} / formula {static} from Psi_local = {n_local} "
                  f"(replicated + experts / ep); peak activations "
-                 f"{run.memory['peak'].get('activations', 0)} B")  # fmt: skip
+                 f"{run.memory['peak']['activations']} / formula {peak} B (L blocks of one "
+                 f"micro-batch; the experts' share follows the rows they received)")  # fmt: skip
     slim = [[[{"decisions": lay["decisions"]} for lay in mb] for mb in st] for st in run.moe]
     gathered = comm.gather_object(("\n".join(lines), ok, dataclasses.replace(run, moe=slim)))
     if comm.rank != 0:
@@ -130,7 +134,7 @@ def main(comm) -> int:
     print(f"losses {[f'{x:.6f}' for x in ref.losses]} (reference), ep {ep} x edp {D // ep}")
     print(verdict(problems, f"ep={ep} x edp={D // ep}, E={E} K={cfg.moe_top_k} "
                             f"cf={cfg.capacity_factor} {args.dispatch} {cfg.dtype}, {args.steps} "
-                            f"steps, {D} ranks: {note}; ep bytes and static memory == formulas"))  # fmt: skip
+                            f"steps, {D} ranks: {note}; ep bytes, static and peak activation memory == formulas"))  # fmt: skip
     return 0 if not problems else 1
 
 
