@@ -8,23 +8,23 @@ Megatron-core). Every rank takes its data-parallel slice of the batch (emulator.
 and routes its own tokens, so rank r's micro-batch j is the reference's micro-batch r k + j and
 its routing groups are the reference's for that micro-batch (one per micro-batch by default).
 Rank r holds every replicated parameter and the experts c El .. (c+1) El - 1 of every block,
-c = its ep coordinate. After the backward:
-  replicated gradients   summed over all D ranks (the data-parallel all-reduce; tag dp/grads)
+c = its ep coordinate. Gradients (parallel/expert/sync.py: per-tensor all-reduce, or DDP buckets):
+  replicated gradients   summed over all D ranks (the data-parallel group; tags dp/...)
   expert gradients       already complete over the ep group's tokens (the all-to-alls carried
-                         them); summed over the D / P ranks holding the same experts (tag
-                         edp/grads, the "expert-data-parallel" group of Megatron / DeepSpeed)
+                         them); summed over the D / P ranks holding the same experts (tags
+                         edp/..., the "expert-data-parallel" group of Megatron / DeepSpeed)
 Clipping: one global norm over the ep group, replicated gradients weighted 1/P (parallel/clip.py).
 Then AdamW on the local parameters - elementwise, so it commutes with the expert split.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from functools import partial
 
 import numpy as np
 
-from collectives.api import all_reduce
 from emulator import Mesh, scope
 from emulator.block import block_backward, block_forward
 from emulator.data import shard_batch, split_microbatches
@@ -39,12 +39,12 @@ from emulator.model import (
     to_compute,
 )
 from emulator.optim import AdamW
-from emulator.precision import down, up
 from emulator.reference import account_state
 from parallel.check.routing import decisions
 from parallel.clip import clip_
 from parallel.data.common import loss_scales
-from parallel.expert.layer import EXPERT_NAMES, check_ep, ep_moe_backward, ep_moe_forward
+from parallel.expert.layer import check_ep, ep_moe_backward, ep_moe_forward
+from parallel.expert.sync import MODES, is_expert, make_sync
 
 
 @dataclasses.dataclass
@@ -59,10 +59,8 @@ class EPRun:
     ep_rank: int
     n_local: int  # El
     opt_state: dict = dataclasses.field(default_factory=dict)  # {"m", "v"}: local shapes
-
-
-def is_expert(name: str) -> bool:
-    return ".moe." in name and name.rsplit(".", 1)[1] in EXPERT_NAMES
+    layouts: dict = dataclasses.field(default_factory=dict)  # ddp: {"dense", "experts"} buckets
+    step_bytes: list = dataclasses.field(default_factory=list)  # [step] {"dp", "edp"}: (s, r)
 
 
 def shard_experts(params, c: int, El: int) -> dict:
@@ -92,9 +90,12 @@ def check_batch(D: int, batch: int, k: int) -> None:
 
 def ep_train(comm, cfg, seed, batches, steps, *, ep, microbatches=1, dispatch="exact", lr=1e-3,
              betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=None, groups_fn=None,
-             recompute="none") -> EPRun:  # fmt: skip
+             recompute="none", grad_sync="allreduce", bucket_cap_mb=25.0) -> EPRun:  # fmt: skip
+    """Train ``steps`` steps; ``grad_sync``: "allreduce" or "ddp" (parallel/expert/sync.py)."""
     D, k = comm.size, microbatches
     El = check_axes(D, ep, cfg)
+    if grad_sync not in MODES:
+        raise ValueError(f"grad_sync={grad_sync!r} must be one of {MODES}")
     mesh = Mesh(comm, edp=D // ep, ep=ep)
     c = mesh.coord("ep")
     params = shard_experts(init_params(cfg, seed), c, El)
@@ -105,7 +106,14 @@ def ep_train(comm, cfg, seed, batches, steps, *, ep, microbatches=1, dispatch="e
     account_state(mem, cfg, params, opt)  # the reference's static categories, local sizes
     statics = [("params", "master"), ("grads", "grads"), ("optimizer", "adamw")]
     statics += [("params", "compute_copy")] if cfg.dtype == "mixed" else []
+    if grad_sync == "ddp":  # the DDP bucket buffers hold the gradients instead
+        mem.free("grads", "grads")
+        statics.remove(("grads", "grads"))
+    sync = make_sync(grad_sync, comm, mesh["edp"], params, bucket_cap_mb=bucket_cap_mb,
+                     dtype=cfg.dtype, mem=mem)  # fmt: skip
     run = EPRun([], [], {}, {}, [], {}, c, El)
+    if grad_sync == "ddp":
+        run.layouts = {"dense": sync.dense.layouts, "experts": sync.experts.layouts}
     try:
         for step in range(steps):
             tokens, targets = batches(step) if callable(batches) else batches[step]
@@ -115,22 +123,30 @@ def ep_train(comm, cfg, seed, batches, steps, *, ep, microbatches=1, dispatch="e
             b, S = tokens.shape[0] // (D * k), tokens.shape[1]
             groups = [groups_fn(step, g, b, S) if groups_fn else None for g in range(D * k)]
             n_groups = [1 if g is None else len(g) for g in groups]
-            compute, acc, shares, infos = to_compute(params, cfg), None, [], []
+            compute, shares, infos = to_compute(params, cfg), [], []
+            step_mark = comm.ledger.mark()
             for j, (t, y) in enumerate(mbs):
                 g = comm.rank * k + j
                 ce_denom, aux_scale = loss_scales(tokens.size, n_groups[g], sum(n_groups))
                 mark = comm.ledger.mark()
-                share, grads, info = _microbatch(compute, t, y, cfg, ce_denom, aux_scale,
-                                                 groups[g], moe_fn, recompute, mem, j)  # fmt: skip
-                for layer, b in zip(info, layer_bytes(comm, comm.ledger.since(mark), cfg.n_layers)):
-                    layer["bytes"] = b
-                acc = grads if acc is None else {n: down(up(a) + up(grads[n]), a.dtype)
-                                                 for n, a in acc.items()}  # fmt: skip
+                ctx = sync.no_sync() if j < k - 1 else contextlib.nullcontext()
+                with ctx:
+                    share, info = _microbatch(compute, t, y, cfg, ce_denom, aux_scale, groups[g],
+                                              moe_fn, recompute, mem, j, sync.grad_ready)  # fmt: skip
+                recs = comm.ledger.since(mark)
+                for layer, lb in zip(info, layer_bytes(comm, recs, cfg.n_layers)):
+                    layer["bytes"] = lb
                 shares.append(share)
                 infos.append(info)
             run.moe.append(infos)
             run.losses.append(sum(s for every in comm.allgather_object(shares) for s in every))
-            _sync(comm, mesh["edp"], acc)
+            acc = sync.finish()
+            sync.zero_grad()
+            recs = comm.ledger.since(step_mark)
+            run.step_bytes.append({
+                g: (comm.ledger.sent(recs, tag=f"{g}/*"), comm.ledger.received(recs, tag=f"{g}/*"))
+                for g in ("dp", "edp")
+            })  # fmt: skip
             run.grads = {n: a.copy() for n, a in acc.items()}
             weights = {n: 1.0 / ep for n in acc if not is_expert(n)}
             run.grad_norms.append(clip_(acc, max_norm, (mesh["ep"],), weights=weights)[0])
@@ -140,22 +156,16 @@ def ep_train(comm, cfg, seed, batches, steps, *, ep, microbatches=1, dispatch="e
         run.memory = mem.snapshot()
         return run
     finally:
+        sync.close()
         for cat, name in statics:
             mem.free(cat, name)
 
 
-def _sync(world, edp, grads) -> None:
-    """Sum replicated gradients over the world (dp) and expert gradients over edp, in place."""
-    for n, g in grads.items():
-        group, tag = (edp, "edp/grads") if is_expert(n) else (world, "dp/grads")
-        if group.size > 1:
-            with scope(tag):
-                g[...] = all_reduce(group, g, op="sum", algorithm="ring")
-
-
-def _microbatch(p, tokens, targets, cfg, ce_denom, aux_scale, groups, moe_fn, recompute, mem, j):
+def _microbatch(p, tokens, targets, cfg, ce_denom, aux_scale, groups, moe_fn, recompute, mem, j,
+                ready):  # fmt: skip
     """model_forward / model_backward's arithmetic with the ep MoE block; ledger tags
-    blocks.i/ep/... -> (loss share, grads, [per layer {"routes", "counts", "decisions"}])."""
+    blocks.i/ep/...; ready(layer, grads) as each layer's backward finishes
+    -> (loss share, [per layer {"routes", "counts", "decisions"}])."""
     x, ecache = embed_forward(p, tokens)
     caches, aux = [], []
     for i in range(cfg.n_layers):
@@ -167,14 +177,13 @@ def _microbatch(p, tokens, targets, cfg, ce_denom, aux_scale, groups, moe_fn, re
     ce, hcache = head_forward(p, x, targets, cfg, denom=ce_denom)
     loss = float(ce) + cfg.aux_loss_coef * aux_scale * sum(aux)
     daux = cfg.aux_loss_coef * aux_scale
-    grads = {}
     dx, g = head_backward(1.0, hcache)
-    grads.update(g)
+    ready("head", g)
     for i in reversed(range(cfg.n_layers)):
         with scope(f"blocks.{i}"):
             dx, dbp = block_backward(dx, caches[i], daux=daux)
-        grads.update({f"blocks.{i}.{n}": d for n, d in dbp.items()})
-    grads.update(embed_backward(dx, ecache))
+        ready(f"blocks.{i}", {f"blocks.{i}.{n}": d for n, d in dbp.items()})
+    ready("embed", embed_backward(dx, ecache))
     infos = []
     for cache in caches:
         moe = cache["saved"].get("moe")  # absent under recompute="full" (only x is kept)
@@ -182,7 +191,7 @@ def _microbatch(p, tokens, targets, cfg, ce_denom, aux_scale, groups, moe_fn, re
         pairs = None if moe is None else list(zip(moe["groups"], moe["routes"]))
         info["decisions"] = None if moe is None else decisions(pairs, tokens.shape[1])
         infos.append(info)
-    return loss, {n: grads[n] for n in p}, infos
+    return loss, infos
 
 
 def layer_bytes(comm, records, n_layers: int) -> list[dict]:

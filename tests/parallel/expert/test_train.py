@@ -15,6 +15,7 @@ from emulator.model import ModelConfig
 from emulator.reference import reference_train
 from parallel.check.data import compare_dp
 from parallel.check.routing import reference_routes
+from parallel.data.cost import step_bytes as ddp_step_bytes
 from parallel.expert.cost import ep_block_activation_bytes, layer_bytes
 from parallel.expert.train import assemble, ep_train, reference_slices
 from tests.emulator.fd_helpers import assert_close
@@ -174,3 +175,28 @@ def test_full_recompute_reruns_the_forward_all_to_alls():
                         k = 2 if ph.startswith("fwd") else 1
                         assert lb["bytes"][ph] == (k * sent, k * recv), (ph, la, lb)
                     assert la["bytes"]["fwd/dispatch"][0] > 0
+
+
+@pytest.mark.parametrize("mode", ["exact", "padded"])
+def test_ddp_buckets_per_group(mode):
+    """grad_sync="ddp": one DDP engine over the world for the replicated tensors, one over edp
+    for the experts, no_sync for the first micro-batch; == the reference, and each group's bytes
+    per step == parallel/data/cost.py's DDP formula for its buckets (2 (G-1)/G padded w)."""
+    cfg, D, ep, k = _cfg(E=4, K=2, cf=1.0), 4, 2, 2
+
+    def batches(s):
+        return synthetic_batch(0, s, 2 * D * k, 6, cfg.vocab_size)
+
+    ref = reference_train(cfg, 0, batches, 2, microbatches=D * k, max_norm=0.5)
+    runs = emulator.spawn(lambda c: ep_train(c, cfg, 0, batches, 2, ep=ep, microbatches=k,
+                                             dispatch=mode, max_norm=0.5, grad_sync="ddp",
+                                             bucket_cap_mb=0.002), D)  # fmt: skip
+    _, problems, _ = compare_dp(assemble(runs, ep), ref, "float64")
+    assert not problems, problems
+    for run in runs:
+        assert len(run.layouts["dense"]) > 1 and len(run.layouts["experts"]) > 1
+        dense = ddp_step_bytes("ddp", run.layouts["dense"], "float64", k)["grads"]
+        experts = ddp_step_bytes("ddp", run.layouts["experts"], "float64", k)["grads"]
+        assert all(b == {"dp": (dense,) * 2, "edp": (experts,) * 2} for b in run.step_bytes)
+        pad = sum(lay.padded for lays in run.layouts.values() for lay in lays)
+        assert run.memory["current"]["grads"] == 8 * pad  # both engines' bucket buffers
