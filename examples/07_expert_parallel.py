@@ -32,6 +32,7 @@ from emulator.precision import compute_dtype, master_dtype
 from emulator.reference import reference_train
 from parallel.check.data import TOL, compare_dp
 from parallel.check.routing import reference_routes
+from parallel.data.cost import step_bytes as ddp_step_bytes
 from parallel.expert.cost import PHASES, ep_block_activation_bytes, layer_bytes
 from parallel.expert.load import format_load, load_table, received
 from parallel.expert.train import assemble, ep_train, is_expert
@@ -43,6 +44,8 @@ p.add_argument("--experts", type=int, default=8)
 p.add_argument("--top-k", type=int, default=2)
 p.add_argument("--capacity-factor", type=float, default=1.0)
 p.add_argument("--dispatch", choices=["exact", "padded"], default="exact")
+p.add_argument("--grad-sync", choices=["allreduce", "ddp"], default="allreduce",
+               help="per-tensor all-reduce, or DDP buckets over dp and over edp")  # fmt: skip
 p.add_argument("--dtype", choices=["float64", "float32", "mixed"], default="float64")
 p.add_argument("--microbatches", type=int, default=2)
 p.add_argument("--steps", type=int, default=3)
@@ -66,7 +69,8 @@ def main(comm) -> int:
         return synthetic_batch(0, step, B, S, cfg.vocab_size)
 
     run = ep_train(comm, cfg, 0, batches, args.steps, ep=ep, microbatches=k,
-                   dispatch=args.dispatch, **TRAIN)  # fmt: skip
+                   dispatch=args.dispatch, grad_sync=args.grad_sync, bucket_cap_mb=0.01,
+                   **TRAIN)  # fmt: skip
     last = run.moe[-1]  # [micro-batch][layer] of the last step
     E, El, H, c = cfg.n_experts, run.n_local, cfg.d_model, run.ep_rank
     w = compute_dtype(cfg.dtype).itemsize  # the activations' (rows') itemsize
@@ -97,8 +101,17 @@ def main(comm) -> int:
     shapes = param_shapes(cfg)
     n_local = sum(int(np.prod(s)) // (ep if is_expert(n) else 1) for n, s in shapes.items())
     m_, c_ = master_dtype(cfg.dtype).itemsize, w
+    grads_b = n_local * c_  # allreduce: the accumulated gradient; ddp: both engines' buckets
+    if args.grad_sync == "ddp":
+        grads_b = c_ * sum(lay.padded for lays in run.layouts.values() for lay in lays)
+        want_g = {g: ddp_step_bytes("ddp", run.layouts[e], cfg.dtype, k)["grads"]
+                  for g, e in (("dp", "dense"), ("edp", "experts"))}  # fmt: skip
+        ok = ok and all(sb == {g: (b_, b_) for g, b_ in want_g.items()} for sb in run.step_bytes)
+        lines.append(f"gradient bytes per step (sent+received): dp {run.step_bytes[-1]['dp']}, "
+                     f"edp {run.step_bytes[-1]['edp']} / DDP formula 2 (G-1)/G padded c: "
+                     f"{want_g}")  # fmt: skip
     static = {"params": n_local * (m_ + (c_ if cfg.dtype == "mixed" else 0)),
-              "grads": n_local * c_, "optimizer": 2 * n_local * m_}  # fmt: skip
+              "grads": grads_b, "optimizer": 2 * n_local * m_}  # fmt: skip
     got = {cat: run.memory["current"][cat] for cat in static}
     b = B // (D * k)
     peak = max(sum(ep_block_activation_bytes(cfg, b, S, int(lay["counts"].sum())) for lay in mb)
