@@ -75,10 +75,11 @@ def test_several_routing_groups_per_rank(mode):
     S=st.integers(1, 4),
     mode=st.sampled_from(MODES),
     seed=st.integers(0, 99),
+    n_groups=st.integers(1, 2),
 )
-def test_property(P, per, K, cf, B, S, mode, seed):
-    E = P * per
-    ref, out = run(P, E, min(K, E), cf, B=B, S=S, mode=mode, seed=seed)
+def test_property(P, per, K, cf, B, S, mode, seed, n_groups):
+    E, n_groups = P * per, min(n_groups, B * S)
+    ref, out = run(P, E, min(K, E), cf, B=B, S=S, mode=mode, seed=seed, n_groups=n_groups)
     check(ref, out, P)
     check_bytes(ref, out, mode)
 
