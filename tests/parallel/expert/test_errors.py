@@ -63,7 +63,9 @@ def test_mismatched_count_exchange_names_the_ranks(monkeypatch):
 def test_padded_needs_equal_slots_on_every_rank():
     # rank 0 routes 6 tokens, rank 1 routes 3: capacities differ, so the fixed-size all_to_all
     # shapes differ -> the collective check names both ranks (exact mode sends uneven rows fine)
-    with pytest.raises(emulator.CollectiveMismatch, match=r"rank [01] called .*but rank [01] called"):
+    with pytest.raises(
+        emulator.CollectiveMismatch, match=r"rank [01] called .*but rank [01] called"
+    ):
         emulator.spawn(_fn(4, 2, mode="padded", B=[2, 1]), 2, timeout=30)
     out = emulator.spawn(_fn(4, 2, mode="exact", B=[2, 1]), 2, timeout=30)
     assert [o.shape for o in out] == [(2, 3, 4), (1, 3, 4)]
