@@ -44,6 +44,10 @@ RUNS = [
     ("05_pipeline.py", 4, ["--pp", "2", "--dp", "2", "--dp-mode", "zero1", "--schedule", "zb-h1"]),
     ("05_pipeline.py", 4, ["--pp", "4", "--microbatches", "2", "--schedule", "zb-h1"]),
     ("05_pipeline.py", 4, ["--dtype", "mixed", "--max-norm", "0", "--schedule", "interleaved"]),
+    ("07_expert_parallel.py", 4, ["--ep", "4", "--experts", "8", "--top-k", "2"]),
+    ("07_expert_parallel.py", 4, ["--ep", "4", "--dispatch", "padded"]),
+    ("07_expert_parallel.py", 8, ["--dp", "2", "--ep", "4", "--top-k", "3", "--grad-sync", "ddp"]),
+    ("07_expert_parallel.py", 4, ["--ep", "2", "--top-k", "8", "--dtype", "mixed"]),  # K = E
     ("08_context_parallel.py", 4, ["--cp", "4", "--method", "ring", "--balance", "zigzag"]),
     ("08_context_parallel.py", 4, ["--cp", "4", "--method", "all-gather"]),
     ("08_context_parallel.py", 4, ["--cp", "4", "--method", "ulysses"]),
