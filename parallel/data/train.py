@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 
 from emulator.data import shard_batch, split_microbatches
+from emulator.guards import check_finite, check_training
 from emulator.model import check_inputs, init_params, to_compute
 from emulator.optim import AdamW
 from emulator.precision import compute_dtype
@@ -62,6 +63,8 @@ def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microba
     the snapshot just before), and the ledger's peaks are reset at the start, so a program may
     call it again - any stage - and see the same figures (run.memory["peak"] is this run's)."""
     stage = "ddp" if str(stage) == "ddp" else str(check_stage(stage))
+    check_training("train_data_parallel", steps=steps, microbatches=microbatches, lr=lr,
+                   betas=betas, eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
     mem = comm.memory
     mem.reset_peak()
     hyper = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
@@ -132,8 +135,8 @@ def _step(comm, cfg, engine, opt, params, run, step, batches, k, groups_fn, max_
             ))  # fmt: skip
     if cfg.is_moe:  # every micro-batch's routing, in the reference's order r k + j (uncounted)
         run.routing.append([mb for every in comm.allgather_object(routing) for mb in every])
-    total = 0.0
-    for share in (s for every in comm.allgather_object(shares) for s in every):
+    total, every = 0.0, comm.allgather_object(shares)
+    for share in (s for mine in every for s in mine):
         total += share  # the reference's order: micro-batch r k + j
     run.losses.append(total)
     if stage == "ddp":
@@ -145,6 +148,8 @@ def _step(comm, cfg, engine, opt, params, run, step, batches, k, groups_fn, max_
         engine.zero_grad()
     else:
         run.grad_norms.append(engine.step())
+    check_finite(step, rank=r, losses=[sum(m) for m in every], grad_norm=run.grad_norms[-1],
+                 where=f"data parallel, stage {stage}")  # fmt: skip
     recs = comm.ledger.since(mark)
     run.step_bytes.append({
         what: (comm.ledger.sent(recs, tag=f"dp/{what}*"),

@@ -22,6 +22,7 @@ import numpy as np
 
 from collectives import all_gather, reduce_scatter
 from emulator import scope
+from emulator.guards import check_hyper
 from emulator.optim import adamw_update
 from emulator.precision import compute_dtype, down, master_dtype, up
 from parallel.clip import global_grad_norm, scale_
@@ -42,6 +43,8 @@ class ZeroOptimizer:
                  betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=None, norm_groups=(),
                  norm_weights=None, bucket_cap_mb=25.0, units=None, mem=None):  # fmt: skip
         self.stage, self.comm, self.mem = check_stage(stage), dp_comm, mem
+        check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_norm=max_norm,
+                    where="ZeroOptimizer")  # fmt: skip
         self.hyper = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         self.max_norm, self.norm_groups = max_norm, tuple(norm_groups)
         self.cdt, self.mdt = compute_dtype(dtype), master_dtype(dtype)
