@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 
+from collectives.cost import tree_broadcast
 from emulator.flops import activation_bytes_per_block
 from emulator.precision import compute_dtype, master_dtype
 
@@ -143,3 +144,10 @@ def peak_memory(stage, layouts, n_params: int, cfg, b: int, S: int, *, reshard_a
         peak |= peak_fsdp(layouts, cfg.n_layers, cfg.dtype, reshard_after_forward, prefetch)
     peak["activations"] = cfg.n_layers * activation_bytes_per_block(cfg, b, S, recompute)
     return peak
+
+
+def init_broadcast_bytes(n_params: int, D: int, itemsize: int, rank: int) -> tuple[int, int]:
+    """(sent, received) by dp rank ``rank`` for DDP's one broadcast of the initial parameters
+    from rank 0 (parallel/data/ddp.py): a binomial tree over D ranks of n_params elements,
+    once per run, outside every step's formula."""
+    return tree_broadcast(n_params, D, itemsize, rank)
