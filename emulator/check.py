@@ -185,10 +185,15 @@ def assert_losses_close(got, want, rtol: float) -> float:
     return d
 
 
-def verdict(failures: list[str], checked: str, show: int = 4) -> str:
+def verdict(failures: list[str], checked: str, show: int = 4, skipped: str | None = None) -> str:
     """The last line of every example, which `python -m emulator tour` shows:
     "VERDICT: PASS - <checked>" or "VERDICT: FAIL - <failures, '; '-separated>": the first
-    `show`, each cut at its first "; " (where `compare`'s messages start the worst entries)."""
+    `show`, each cut at its first "; " (where `compare`'s messages start the worst entries).
+    ``skipped`` (a reason): nothing numeric could be compared - "VERDICT: SKIP - <reason>; ..."
+    unless something failed; a run that compared nothing has not passed (the example exits
+    non-zero and the tour counts it as not passed)."""
+    if not failures and skipped:
+        return f"VERDICT: SKIP - {skipped}; {checked}"
     if not failures:
         return f"VERDICT: PASS - {checked}"
     more = [f"{len(failures) - show} more above"] if len(failures) > show else []
