@@ -84,17 +84,24 @@ class ZeroOptimizer:
 
     # -- memory ledger: the static state of this rank, by category -----------------------------
     def _account(self) -> None:
+        """Charge the nbytes of the arrays this rank actually holds (not products of sizes and
+        the intended itemsizes), so a buffer kept in the wrong dtype - an Adam moment in bf16 -
+        shows in the ledger against parallel/data/cost.py's closed forms. Stage 1's full
+        gradient is the accumulator every micro-batch adds into: padded x its itemsize."""
         self.statics, self.closed = [], False  # (category, name) allocated; freed by close()
         if self.mem is None:
             return
-        c, m, s = self.cdt.itemsize, self.mdt.itemsize, self.stage
         for lay in self.layouts:
-            i, n, sh = lay.index, lay.padded, lay.shard
-            entries = [("params", f"u{i}.params", (n if s < 3 else sh) * c)]
+            i = lay.index
+            held = self.full[i] if self.stage < 3 else self.pshard[i]  # compute-dtype params
+            entries = [("params", f"u{i}.params", held.nbytes)]
             if self.mixed:
-                entries.append(("params", f"u{i}.master", sh * m))
-            entries.append(("grads", f"u{i}.grads", (n if s == 1 else sh) * c))
-            entries.append(("optimizer", f"u{i}.adam", 2 * sh * m))
+                entries.append(("params", f"u{i}.master", self.master[i].nbytes))
+            grads = (
+                lay.padded * self.gshard[i].itemsize if self.stage == 1 else self.gshard[i].nbytes
+            )
+            entries.append(("grads", f"u{i}.grads", grads))
+            entries.append(("optimizer", f"u{i}.adam", self.m[i].nbytes + self.v[i].nbytes))
             for cat, name, nbytes in entries:
                 self.mem.alloc(cat, name, nbytes)
                 self.statics.append((cat, name))

@@ -3,6 +3,7 @@ the check rejecting it (and, where it matters, the former check accepting it).""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -105,3 +106,35 @@ def test_without_the_broadcast_different_seeds_diverge_and_the_replica_check_say
     assert not compare_replicas(out, ("params",))
     want = init_params(cfg, 0)
     assert all(np.array_equal(out[1]["params"][n], want[n]) for n in want)
+
+
+def _zero_optimizer_bytes(monkeypatch, moment_dtype=None):
+    """ZeRO-1, mixed, D = 4: this rank's ledger 'optimizer' bytes and Psi_pad."""
+    if moment_dtype is not None:  # the bug: Adam moments kept in bf16, not the fp32 master's
+        original = zero_mod.ZeroOptimizer._account
+
+        def account(self):
+            self.m = {i: a.astype(moment_dtype) for i, a in self.m.items()}
+            self.v = {i: a.astype(moment_dtype) for i, a in self.v.items()}
+            original(self)
+
+        monkeypatch.setattr(zero_mod.ZeroOptimizer, "_account", account)
+    params = init_params(tiny("mixed"), 0)
+
+    def body(comm):
+        opt = zero_mod.ZeroOptimizer(comm, params, 1, dtype="mixed", mem=comm.memory)
+        got = comm.memory.current("optimizer")
+        opt.close()
+        return got, sum(lay.padded for lay in opt.layouts)
+
+    return emulator.spawn(body, 4, timeout=30)
+
+
+def test_ledger_charges_the_bytes_held_so_a_bf16_adam_moment_shows(monkeypatch):
+    """The paper's K = 12 per parameter in mixed precision: fp32 master (4, counted under
+    params) + fp32 m and v (8) - so the optimizer entry is 2 x 4 x Psi_pad / D, written here
+    from the paper, not from the products the implementation charges."""
+    for got, pad in _zero_optimizer_bytes(monkeypatch):
+        assert got == 2 * 4 * pad // 4
+    for got, pad in _zero_optimizer_bytes(monkeypatch, ml_dtypes.bfloat16):
+        assert got == 2 * 2 * pad // 4 != 2 * 4 * pad // 4  # the ledger shows the halved state
