@@ -60,7 +60,8 @@ def assert_matches(runs, ref, dtype="float64", top_k=1) -> str:
     return note
 
 
-def check_formulas(runs, cfg, stage, k=1, reshard=True, prefetch=False, B=8, S=6):
+def check_formulas(runs, cfg, stage, k=1, reshard=True, prefetch=False, B=8, S=6,
+                   recompute="none"):  # fmt: skip
     """Every rank, every step: bytes sent == received == formula; static memory and the peak
     of params, grads and activations == parallel.data.cost's closed forms."""
     want = step_bytes(stage, runs[0].layouts, cfg.dtype, k, reshard)
@@ -72,5 +73,6 @@ def check_formulas(runs, cfg, stage, k=1, reshard=True, prefetch=False, B=8, S=6
         mem = static_memory(stage, r.layouts, n_params(cfg), cfg.dtype)
         assert {c: r.memory["current"][c] for c in mem} == mem
         peak = peak_memory(stage, r.layouts, n_params(cfg), cfg, B // (D * k), S,
-                           reshard_after_forward=reshard, prefetch=prefetch)  # fmt: skip
+                           reshard_after_forward=reshard, prefetch=prefetch,
+                           recompute=recompute)  # fmt: skip
         assert {c: r.memory["peak"][c] for c in peak} == peak, (stage, r.memory["peak"], peak)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import emulator
@@ -164,16 +164,23 @@ def test_zero1_on_any_local_dict_with_norm_groups():
     D=st.integers(1, 8),
     stage=st.sampled_from(["ddp", "1", "2", "3"]),
     k=st.sampled_from([1, 2]),
+    b=st.sampled_from([1, 2]),  # sequences per micro-batch: 2 exercises the per-row split
     n_layers=st.integers(1, 3),
     H=st.sampled_from([4, 8]),
     cap=st.sampled_from([0.0005, 0.002, 25.0]),
+    recompute=st.sampled_from(["none", "selective", "full"]),
 )
-def test_hypothesis_any_degree_stage_shape(D, stage, k, n_layers, H, cap):
+@example(D=3, stage="3", k=2, b=2, n_layers=2, H=4, cap=0.002, recompute="full")  # padded
+@example(D=3, stage="2", k=2, b=2, n_layers=1, H=8, cap=0.0005, recompute="none")  # shards
+def test_hypothesis_any_degree_stage_shape(D, stage, k, b, n_layers, H, cap, recompute):
     cfg = tiny(n_layers=n_layers, d_model=H, vocab_size=11)
-    runs, ref = run_both(cfg, D, stage=stage, B=D * k, S=5, microbatches=k, bucket_cap_mb=cap,
-                         steps=2)  # fmt: skip
+    B = D * k * b
+    runs, ref = run_both(cfg, D, stage=stage, B=B, S=5, microbatches=k, bucket_cap_mb=cap,
+                         steps=2, recompute=recompute)  # fmt: skip
     assert_matches(runs, ref)
-    check_formulas(runs, cfg, stage, k=k, B=D * k, S=5)
+    check_formulas(runs, cfg, stage, k=k, B=B, S=5, recompute=recompute)
+    if D == 3 and n_layers == 2 and H == 4:  # the first example: shards padded (Psi % 3 != 0)
+        assert any(lay.padding for lay in runs[0].layouts)
 
 
 def test_repeated_runs_free_their_memory_and_match_the_formulas_each_time():
