@@ -58,10 +58,11 @@ def check_layout(stage, D: int, batch: int, microbatches: int) -> str:
 def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microbatches=1,
                         lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=None,
                         bucket_cap_mb=25.0, reshard_after_forward=True, prefetch=False,
-                        groups_fn=None, recompute="none") -> DPRun:  # fmt: skip
+                        groups_fn=None, recompute="none", poison_freed=False) -> DPRun:  # fmt: skip
     """Train; every memory-ledger entry the run makes is freed before it returns (run.memory is
     the snapshot just before), and the ledger's peaks are reset at the start, so a program may
-    call it again - any stage - and see the same figures (run.memory["peak"] is this run's)."""
+    call it again - any stage - and see the same figures (run.memory["peak"] is this run's).
+    ``poison_freed`` (tests): ZeRO-3 fills every freed gathered unit with NaN (ZeroOptimizer)."""
     stage = "ddp" if str(stage) == "ddp" else str(check_stage(stage))
     check_training("train_data_parallel", steps=steps, microbatches=microbatches, lr=lr,
                    betas=betas, eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
@@ -84,7 +85,8 @@ def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microba
         shapes = {n: p.shape for n, p in params.items()}
         units = [u.names for u in fsdp_units(shapes, comm.size)] if stage == "3" else None
         engine = ZeroOptimizer(comm, params, int(stage), dtype=cfg.dtype, max_norm=max_norm,
-                               bucket_cap_mb=bucket_cap_mb, units=units, mem=mem, **hyper)  # fmt: skip
+                               bucket_cap_mb=bucket_cap_mb, units=units, mem=mem,
+                               poison_freed=poison_freed, **hyper)  # fmt: skip
         opt = None
     try:
         run = DPRun(stage, [], [], {}, {}, {}, [], engine.layouts, {}, [], [])

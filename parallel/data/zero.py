@@ -41,8 +41,13 @@ def check_stage(stage) -> int:
 class ZeroOptimizer:
     def __init__(self, dp_comm, local_params: dict, stage=1, *, dtype="float64", lr=1e-3,
                  betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=None, norm_groups=(),
-                 norm_weights=None, bucket_cap_mb=25.0, units=None, mem=None):  # fmt: skip
+                 norm_weights=None, bucket_cap_mb=25.0, units=None, mem=None,
+                 poison_freed=False):  # fmt: skip
+        """``poison_freed`` (a test mode, off by default): fill a stage-3 gathered unit with NaN
+        when it is freed, so a computation that still reads it - a backward using the
+        forward's gather instead of its own - produces NaN instead of silently right values."""
         self.stage, self.comm, self.mem = check_stage(stage), dp_comm, mem
+        self.poison_freed = poison_freed
         check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_norm=max_norm,
                     where="ZeroOptimizer")  # fmt: skip
         self.hyper = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
@@ -200,7 +205,9 @@ class ZeroOptimizer:
         return self.layouts[i].views(self.gathered[i])
 
     def free(self, i: int) -> None:
-        del self.gathered[i]
+        buf = self.gathered.pop(i)
+        if self.poison_freed:  # test mode: any later read of this memory shows as NaN
+            buf[...] = np.nan
         if self.mem is not None:
             self.mem.free("params", f"u{i}.gathered")
 

@@ -30,6 +30,7 @@ def run_both(cfg, D, *, stage, B=8, S=6, steps=2, microbatches=1, max_norm=0.3, 
     batches = lambda s: synthetic_batch(3, s, B, S, cfg.vocab_size)
     groups_fn = kw.pop("groups_fn", None)
     opt = {k: kw.pop(k, v) for k, v in (OPT | {"recompute": "none"}).items()}
+    kw.setdefault("poison_freed", True)  # ZeRO-3: a read of a freed gather becomes NaN
     ref = reference_train(cfg, 1, batches, steps, microbatches=D * microbatches,
                           max_norm=max_norm, groups_fn=groups_fn, **opt)  # fmt: skip
     if cfg.is_moe:

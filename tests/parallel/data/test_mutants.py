@@ -10,10 +10,12 @@ import pytest
 import emulator
 from collectives import cost
 from emulator.check import compare_replicas
+from emulator.guards import NonFiniteError
 from emulator.model import init_params, n_params
 from emulator.optim import AdamW, adamw_update
 from emulator.rank import current_state
 from parallel.check.data import compare_dp
+from parallel.data import common as dp_common
 from parallel.data import train as dp_train
 from parallel.data import zero as zero_mod
 from parallel.data.cost import init_broadcast_bytes
@@ -138,3 +140,19 @@ def test_ledger_charges_the_bytes_held_so_a_bf16_adam_moment_shows(monkeypatch):
         assert got == 2 * 4 * pad // 4
     for got, pad in _zero_optimizer_bytes(monkeypatch, ml_dtypes.bfloat16):
         assert got == 2 * 2 * pad // 4 != 2 * 4 * pad // 4  # the ledger shows the halved state
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN arithmetic in the poisoned run
+def test_a_backward_reading_the_forwards_freed_gather_fails_when_freed_units_are_poisoned(
+    monkeypatch,
+):
+    """The bug: the backward computes with the arrays the forward's gather bound into its
+    caches (no rebind to the backward's own gather). The freed buffer still holds the right
+    values, so without poisoning the run passes; with poison_freed=True (passed explicitly,
+    what run_both does) it reads NaN and stops."""
+    monkeypatch.setattr(dp_common, "rebind", lambda obj, table: obj)
+    cfg = tiny()
+    runs, ref = run_both(cfg, 2, stage="3", steps=2, poison_freed=False)
+    assert_matches(runs, ref)  # invisible without the poison
+    with pytest.raises(NonFiniteError, match="step 0"):
+        run_both(cfg, 2, stage="3", steps=2, poison_freed=True)
