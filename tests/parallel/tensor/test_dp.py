@@ -144,7 +144,9 @@ def test_a_bf16_routing_flip_is_a_near_tie_and_only_earlier_losses_compare():
     runs, ref, routing = _dp_tp_run(ModelConfig(**base, dtype="mixed"), "ddp")
     worst, problems, note = compare_tp(runs[0], ref, "mixed", routing, 2)
     assert not problems and "FLIPPED at step 0" in note and "near ties" in note, note
-    assert "no loss, gradient or parameter is comparable" in note and worst == {"loss": 0.0}
+    assert (
+        "no loss, gradient or parameter is comparable" in note and worst == {}
+    )  # nothing compared
     runs, ref, routing = _dp_tp_run(ModelConfig(**base), "ddp")
     _, problems, note = compare_tp(runs[0], ref, "float64", routing, 2)
     assert not problems and note.startswith("routing identical"), note
