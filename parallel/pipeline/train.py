@@ -117,7 +117,7 @@ def pipeline_train(where, cfg, seed, batches, steps, *, schedule="1f1b", microba
         losses = pp.allgather_object(loss)
         total = sum(losses) if dp is None else sum(dp.allgather_object(sum(losses)))
         run.losses.append(total)
-        check_finite(step, rank=pp.rank, losses=losses, where="pipeline: stage losses by pp rank")
+        check_finite(step, rank=pp.rank, losses=losses, loss=total, where="pipeline: pp ranks")
     run.in_flight = pp.allgather_object(peak)
     run.act_peak = pp.allgather_object(mem.peak("activations"))
     sent = sum(x.nbytes for x in boundary if x.direction == "send" and x.group == pp.name)

@@ -68,6 +68,9 @@ def test_mixed_precision_against_the_mixed_reference(stage):
         pad, D = sum(lay.padded for lay in runs[0].layouts), 4
         coef = {"1": 4 + 12 / D, "2": 2 + 14 / D, "3": 16 / D}[stage]
         assert sum(static_memory(stage, runs[0].layouts, 0, "mixed").values()) == coef * pad
+        for r in runs:  # and the ledger itself (the nbytes held), not only the formula
+            held = sum(r.memory["current"][c] for c in ("params", "grads", "optimizer"))
+            assert held == coef * pad, (held, coef * pad)
 
 
 @pytest.mark.parametrize("stage", ["ddp", "1", "2", "3"])
