@@ -41,20 +41,23 @@ BAD_HYPER = [  # (keyword, value, the argument the message must name)
     ("max_norm", -1.0, "max_norm=-1.0"),
 ]
 
-# every trainer, called with keyword overrides on ranks it needs
+
+def _spawn(train, **kw):
+    """train(comm, steps, **kw) on 2 virtual ranks; steps popped once, before any rank starts."""
+    steps = kw.pop("steps", 2)
+    return emulator.spawn(lambda c: train(c, steps, **kw), 2, timeout=30)
+
+
+# every trainer, called with keyword overrides (steps default 2) on the ranks it needs
 TRAINERS = {
-    "reference": lambda **kw: reference_train(CFG, 1, BATCHES, kw.pop("steps", 2), **kw),
-    "ddp": lambda **kw: emulator.spawn(
-        lambda c: train_data_parallel(c, CFG, 1, BATCHES, kw.pop("steps", 2), **kw), 2,
-        timeout=30),
-    "zero3": lambda **kw: emulator.spawn(
-        lambda c: train_data_parallel(c, CFG, 1, BATCHES, kw.pop("steps", 2), stage=3, **kw), 2,
-        timeout=30),
-    "tp": lambda **kw: emulator.spawn(
-        lambda c: tp_train(c, CFG, 1, BATCHES, kw.pop("steps", 2), **kw), 2, timeout=30),
-    "pp": lambda **kw: emulator.spawn(
-        lambda c: pipeline_train(c, CFG, 1, BATCHES, kw.pop("steps", 2),
-                                 microbatches=kw.pop("microbatches", 2), **kw), 2, timeout=30),
+    "reference": lambda steps=2, **kw: reference_train(CFG, 1, BATCHES, steps, **kw),
+    "ddp": lambda **kw: _spawn(lambda c, n, **a: train_data_parallel(c, CFG, 1, BATCHES, n, **a),
+                               **kw),
+    "zero3": lambda **kw: _spawn(
+        lambda c, n, **a: train_data_parallel(c, CFG, 1, BATCHES, n, stage=3, **a), **kw),
+    "tp": lambda **kw: _spawn(lambda c, n, **a: tp_train(c, CFG, 1, BATCHES, n, **a), **kw),
+    "pp": lambda **kw: _spawn(lambda c, n, **a: pipeline_train(c, CFG, 1, BATCHES, n, **a),
+                              **({"microbatches": 2} | kw)),
 }  # fmt: skip
 
 
