@@ -78,7 +78,8 @@ def tour(only: str | None = None) -> int:
         verdict = verdict.removeprefix("PASS - ")  # the PASS/FAIL column says it
         failed += not ok
         label = " ".join([script, f"-n {n}", *args])
-        print(f"{'PASS' if ok else 'FAIL'}  {label:<60} {dt:6.1f} s  {verdict}")
+        status = "PASS" if ok else "SKIP" if verdict.startswith("SKIP - ") else "FAIL"
+        print(f"{status}  {label:<60} {dt:6.1f} s  {verdict}")  # SKIP counts as not passed
         if not ok:
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
             print("      " + "\n      ".join(tail))
