@@ -28,6 +28,7 @@ import numpy as np
 from emulator import Mesh, scope
 from emulator.block import block_backward, block_forward
 from emulator.data import shard_batch, split_microbatches
+from emulator.guards import check_finite, check_training
 from emulator.model import (
     block_params,
     check_inputs,
@@ -92,6 +93,8 @@ def ep_train(comm, cfg, seed, batches, steps, *, ep, microbatches=1, dispatch="e
              betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=None, groups_fn=None,
              recompute="none", grad_sync="allreduce", bucket_cap_mb=25.0) -> EPRun:  # fmt: skip
     """Train ``steps`` steps; ``grad_sync``: "allreduce" or "ddp" (parallel/expert/sync.py)."""
+    check_training("ep_train", steps=steps, microbatches=microbatches, lr=lr, betas=betas,
+                   eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
     D, k = comm.size, microbatches
     El = check_axes(D, ep, cfg)
     if grad_sync not in MODES:
@@ -150,6 +153,8 @@ def ep_train(comm, cfg, seed, batches, steps, *, ep, microbatches=1, dispatch="e
             run.grads = {n: a.copy() for n, a in acc.items()}
             weights = {n: 1.0 / ep for n in acc if not is_expert(n)}
             run.grad_norms.append(clip_(acc, max_norm, (mesh["ep"],), weights=weights)[0])
+            check_finite(step, rank=comm.rank, loss=run.losses[-1], grad_norm=run.grad_norms[-1],
+                         where="ep_train")  # fmt: skip
             opt.step(params, acc)
         run.params = {n: p.copy() for n, p in params.items()}
         run.opt_state = {"m": opt.m, "v": opt.v}

@@ -16,12 +16,15 @@ from emulator.guards import NonFiniteError, check_finite, check_hyper
 from emulator.model import ModelConfig, init_params
 from emulator.optim import AdamW
 from emulator.reference import reference_train
+from parallel.context.train import cp_train
 from parallel.data.train import train_data_parallel
 from parallel.data.zero import ZeroOptimizer
+from parallel.expert.train import ep_train
 from parallel.pipeline.train import pipeline_train
 from parallel.tensor.train import tp_train
 
 CFG = ModelConfig(vocab_size=16, max_seq_len=8, d_model=8, n_heads=2, n_layers=2)
+MOE = ModelConfig(vocab_size=16, max_seq_len=8, d_model=8, n_heads=2, n_layers=2, n_experts=4)
 BATCHES = lambda s: synthetic_batch(3, s, 8, 6, 16)
 
 BAD_HYPER = [  # (keyword, value, the argument the message must name)
@@ -58,6 +61,8 @@ TRAINERS = {
     "tp": lambda **kw: _spawn(lambda c, n, **a: tp_train(c, CFG, 1, BATCHES, n, **a), **kw),
     "pp": lambda **kw: _spawn(lambda c, n, **a: pipeline_train(c, CFG, 1, BATCHES, n, **a),
                               **({"microbatches": 2} | kw)),
+    "cp": lambda **kw: _spawn(lambda c, n, **a: cp_train(c, CFG, 1, BATCHES, n, cp=2, balance="contiguous", **a), **kw),
+    "ep": lambda **kw: _spawn(lambda c, n, **a: ep_train(c, MOE, 1, BATCHES, n, ep=2, **a), **kw),
 }  # fmt: skip
 
 
