@@ -11,7 +11,6 @@ the layouts also include starting the P threads (emulator.spawn).
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import emulator
@@ -20,6 +19,7 @@ from emulator.ledger import format_table
 from emulator.model import ModelConfig, n_params
 from emulator.reference import reference_train
 from parallel.data.train import train_data_parallel
+from tools import args as cli
 
 LAYOUTS = [("ddp", {}), ("1", {}), ("2", {}), ("3", {}), ("3", {"prefetch": True}),
            ("3", {"reshard_after_forward": False})]  # fmt: skip
@@ -35,19 +35,21 @@ def _best(fn, repeat: int) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m emulator bench layouts", description=__doc__)
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=32)
+    p = cli.parser(__doc__, prog="python -m emulator bench layouts")
+    p.add_argument("--ranks", type=cli.ranks_flag, default=4)
+    p.add_argument("--repeat", type=cli.positive_int, default=3)
+    p.add_argument("--d-model", type=cli.positive_int, default=64, help="H (4 heads)")
+    p.add_argument("--layers", type=cli.positive_int, default=4)
+    p.add_argument("--batch", type=cli.positive_int, default=16)
+    p.add_argument("--seq", type=cli.positive_int, default=32)
     args = p.parse_args(argv)
+    if args.d_model % 4:
+        p.error(f"argument --d-model: {args.d_model} is not a multiple of the 4 heads")
+    if args.batch % args.ranks:
+        p.error(f"argument --batch: {args.batch} is not a multiple of --ranks {args.ranks}")
     cfg = ModelConfig(vocab_size=256, max_seq_len=args.seq, d_model=args.d_model, n_heads=4,
                       n_layers=args.layers)  # fmt: skip
     P = args.ranks
-    if args.batch % P:
-        raise SystemExit(f"--batch {args.batch} must be a multiple of --ranks {P}")
 
     def batches(step):
         return synthetic_batch(0, step, args.batch, args.seq, cfg.vocab_size)

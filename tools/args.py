@@ -179,3 +179,50 @@ def check_world(p, want: int, what: str, default: int | None = None) -> None:
     if have != want:
         how = "mpiexec -n" if under_mpi() else "python -m emulator run -n"
         p.error(f"{what} needs {want} ranks but this job has {have}; start it with {how} {want}")
+
+
+# -- how many virtual ranks this machine can hold ----------------------------------------------
+PER_RANK_BYTES = 1 << 20  # a conservative resident estimate per virtual rank (stack, mailboxes)
+
+
+def max_virtual_ranks() -> tuple[int, str]:
+    """(the most virtual ranks - threads - this machine can hold, why): the smaller of the
+    per-user thread limit (RLIMIT_NPROC), the kernel's threads-max / 2 and available memory /
+    1 MiB per rank. Unknown limits (no /proc, no resource module) are skipped."""
+    limits = []
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+        if soft != resource.RLIM_INFINITY:
+            limits.append((soft - 64, f"per-user thread limit (ulimit -u) {soft}"))
+    except (ImportError, AttributeError, ValueError, OSError):
+        pass
+    try:
+        with open("/proc/sys/kernel/threads-max") as f:
+            tmax = int(f.read())
+        limits.append((tmax // 2, f"kernel threads-max {tmax} (half of it)"))
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+        why = f"{avail / 2**30:.1f} GiB available at ~1 MiB per rank"
+        limits.append((avail // PER_RANK_BYTES, why))
+    except (OSError, ValueError, StopIteration):
+        pass
+    if not limits:
+        return 1 << 16, "no limit could be read; 65,536 assumed"
+    n, why = min(limits)
+    return max(1, n), why
+
+
+def ranks_flag(text: str) -> int:
+    """argparse type: a virtual-rank count, 1 .. max_virtual_ranks()."""
+    n = positive_int(text)
+    most, why = max_virtual_ranks()
+    if n > most:
+        raise argparse.ArgumentTypeError(
+            f"got {n}; this machine holds at most {most:,} virtual ranks (threads; {why})"
+        )
+    return n

@@ -47,31 +47,46 @@ RUNS = [
 ]
 
 
-def tour(only: str | None = None) -> int:
+def tour(only: str | None = None, timeout: float = 600.0) -> int:
+    """Run the RUNS whose script name contains `only` (all by default), each in its own process
+    with `timeout` seconds; print each row as it finishes. -> 0 if all passed."""
     if not EXAMPLES.is_dir():
         print(
             f"tour: no examples folder at {EXAMPLES}; run from a source checkout (pip install -e)"
         )
         return 2
-    failed = ran = 0
-    for script, n, args in RUNS:
+    runs = [r for r in RUNS if (EXAMPLES / r[0]).exists() and (not only or only in r[0])]
+    if not runs:
+        names = sorted({r[0] for r in RUNS if (EXAMPLES / r[0]).exists()})
+        print(f"tour: error: argument --only: no example name contains {only!r}; the examples "
+              f"are {', '.join(names)}", file=sys.stderr)  # fmt: skip
+        return 2
+    failed = 0
+    for script, n, args in runs:
         path = EXAMPLES / script
-        if not path.exists() or (only and only not in script):
-            continue
-        ran += 1
         cmd = [sys.executable, "-m", "emulator", "run", "-n", str(n), str(path), *args]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, check=False, capture_output=True, text=True,
+                                  timeout=timeout)  # fmt: skip
+            out, code = proc.stdout + proc.stderr, proc.returncode
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VERDICT:")]
+            verdict = lines[-1][len("VERDICT:") :].strip() if lines else "(no verdict printed)"
+        except subprocess.TimeoutExpired as exc:
+            out = (_text(exc.stdout) + _text(exc.stderr)) or ""
+            code, verdict = -1, f"(timed out after {timeout:g} s; tour --timeout raises it)"
         dt = time.perf_counter() - t0
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VERDICT:")]
-        verdict = lines[-1][len("VERDICT:") :].strip() if lines else "(no verdict line printed)"
-        ok = proc.returncode == 0 and verdict.startswith("PASS - ")
+        ok = code == 0 and verdict.startswith("PASS - ")
         verdict = verdict.removeprefix("PASS - ")  # the PASS/FAIL column says it
         failed += not ok
         label = " ".join([script, f"-n {n}", *args])
-        print(f"{'PASS' if ok else 'FAIL'}  {label:<60} {dt:6.1f} s  {verdict}")
-        if not ok:
-            tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
-            print("      " + "\n      ".join(tail))
-    print(f"tour: {ran - failed} of {ran} runs passed")
-    return 1 if failed or not ran else 0
+        print(f"{'PASS' if ok else 'FAIL'}  {label:<60} {dt:6.1f} s  {verdict}", flush=True)
+        if not ok and out.strip():
+            tail = out.strip().splitlines()[-15:]
+            print("      " + "\n      ".join(tail), flush=True)
+    print(f"tour: {len(runs) - failed} of {len(runs)} runs passed", flush=True)
+    return 1 if failed else 0
+
+
+def _text(b) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
