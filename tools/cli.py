@@ -15,7 +15,6 @@ import importlib
 import os
 import runpy
 import sys
-import traceback
 
 from emulator import launcher as _launch
 
@@ -93,11 +92,9 @@ def main(argv=None) -> int:
             return tour(args.only, timeout=args.timeout)
         return _bench(args)
     except Exception as exc:  # noqa: BLE001 - anything outside an example's handler: one line
-        if debug:
-            traceback.print_exc()
-        else:
-            cli.say_once(f"python -m emulator {args.command}: {type(exc).__name__}: {exc} "
-                         "(--debug shows the traceback)")  # fmt: skip
+        from .run import report_error
+
+        report_error(exc, debug, f"python -m emulator {args.command}")
         return 1
 
 

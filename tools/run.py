@@ -98,6 +98,20 @@ def error_line(exc: BaseException, where: str = "") -> str:
     return f"error{' ' + where if where else ''}: {head}"
 
 
+def report_error(exc: BaseException, debug: bool, what: str = "error") -> None:
+    """stderr: the traceback with `debug`; else `what (the failing rank): Type: message`, the
+    message's further lines indented (a flight recorder), and how to see the traceback."""
+    if debug:
+        traceback.print_exception(exc)
+        return
+    where = _failing_rank(exc)
+    lines = str(exc).strip().splitlines()
+    print(error_line(exc, f"({where})" if where else "").replace("error", what, 1), file=sys.stderr)
+    for line in lines[1:]:
+        print("  " + line, file=sys.stderr)
+    print("  (--debug shows the traceback)", file=sys.stderr, flush=True)
+
+
 def run_example(main, args, world_size: int = 4, timeout: float | None = None) -> int:
     """Launch `main(comm)`; return the exit code. Errors inside the run: one message naming
     the failing rank (more lines only when the message itself has them, e.g. a flight
@@ -113,15 +127,7 @@ def run_example(main, args, world_size: int = 4, timeout: float | None = None) -
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - reported in one place, below
-        if debug:
-            traceback.print_exc()
-        else:
-            where = _failing_rank(exc)
-            lines = str(exc).strip().splitlines()
-            print(error_line(exc, f"({where})" if where else ""), file=sys.stderr)
-            for line in lines[1:]:
-                print("  " + line, file=sys.stderr)
-            print("  (--debug shows the traceback)", file=sys.stderr)
+        report_error(exc, debug)
         return 1
     finally:
         progress_done()
