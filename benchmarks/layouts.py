@@ -1,5 +1,6 @@
 """Benchmark (not a test): one optimizer step of DDP and ZeRO-1/2/3 on P virtual ranks against
 the single-rank reference step on the same global batch, as a ratio printed in the same run.
+Both sides run with the BLAS threads of one virtual rank (emulator/blas.py).
 
     python -m emulator bench layouts [--ranks 4] [--repeat 3] [--d-model 64] [--layers 4]
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import time
 
 import emulator
+from emulator import blas
 from emulator.data import synthetic_batch
 from emulator.ledger import format_table
 from emulator.model import ModelConfig, n_params
@@ -54,7 +56,8 @@ def main(argv=None) -> int:
     def batches(step):
         return synthetic_batch(0, step, args.batch, args.seq, cfg.vocab_size)
 
-    ref_t = _best(lambda: reference_train(cfg, 0, batches, 1, microbatches=P), args.repeat)
+    with blas.limit(blas.per_rank(P)):  # what each of the P ranks gets inside spawn
+        ref_t = _best(lambda: reference_train(cfg, 0, batches, 1, microbatches=P), args.repeat)
     rows = [["reference (1 rank)", "-", f"{ref_t * 1e3:.1f}", "1.00", "0"]]
     for stage, kw in LAYOUTS:
         out = {}
@@ -72,7 +75,8 @@ def main(argv=None) -> int:
         )
         rows.append([label, P, f"{t * 1e3:.1f}", f"{t / ref_t:.2f}", sent])
     print(f"one optimizer step, global batch {args.batch} x {args.seq} tokens, "
-          f"Psi = {n_params(cfg)} parameters (float64), best of {args.repeat}")  # fmt: skip
+          f"Psi = {n_params(cfg)} parameters (float64), best of {args.repeat}; BLAS threads per "
+          f"rank {blas.per_rank(P)} (pool {blas.threads()})")  # fmt: skip
     head = ["layout", "ranks", "ms / step", "x reference", "bytes sent / rank"]
     print(format_table(head, rows))
     return 0

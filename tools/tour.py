@@ -3,14 +3,17 @@
 Each example checks itself (against the single-rank reference, NumPy's definition or a formula)
 and ends with "VERDICT: PASS - <what was checked>" or "VERDICT: FAIL - <what failed>"
 (emulator.check.verdict), exiting non-zero when a check fails. A run passes when it exits 0 and
-its last verdict says PASS. The tour runs each in its own process, so one failure cannot hide
-another, and exits non-zero if any did.
+its last verdict says PASS. The tour runs each in its own process (in a scratch directory, so
+the files a run writes - 05's Chrome trace - do not land in yours), so one failure cannot hide
+another, prints each row as it finishes, and exits non-zero if any failed.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +47,7 @@ RUNS = [
     ("05_pipeline.py", 4, ["--pp", "2", "--dp", "2", "--dp-mode", "zero1", "--schedule", "zb-h1"]),
     ("05_pipeline.py", 4, ["--pp", "4", "--microbatches", "2", "--schedule", "zb-h1"]),
     ("05_pipeline.py", 4, ["--dtype", "mixed", "--max-norm", "0", "--schedule", "interleaved"]),
+    ("05_pipeline.py", 4, ["--pp", "2", "--dp", "2", "--schedule", "1f1b", "--svg", "pp.svg"]),
 ]
 
 
@@ -61,6 +65,11 @@ def tour(only: str | None = None, timeout: float = 600.0) -> int:
         print(f"tour: error: argument --only: no example name contains {only!r}; the examples "
               f"are {', '.join(names)}", file=sys.stderr)  # fmt: skip
         return 2
+    with tempfile.TemporaryDirectory(prefix="distemu-tour-") as scratch:  # files runs write
+        return _tour(runs, timeout, scratch)
+
+
+def _tour(runs, timeout: float, cwd: str) -> int:
     failed = 0
     for script, n, args in runs:
         path = EXAMPLES / script
@@ -68,7 +77,7 @@ def tour(only: str | None = None, timeout: float = 600.0) -> int:
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, check=False, capture_output=True, text=True,
-                                  timeout=timeout)  # fmt: skip
+                                  timeout=timeout, cwd=cwd, env=_env())  # fmt: skip
             out, code = proc.stdout + proc.stderr, proc.returncode
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VERDICT:")]
             verdict = lines[-1][len("VERDICT:") :].strip() if lines else "(no verdict printed)"
@@ -86,6 +95,14 @@ def tour(only: str | None = None, timeout: float = 600.0) -> int:
             print("      " + "\n      ".join(tail), flush=True)
     print(f"tour: {len(runs) - failed} of {len(runs)} runs passed", flush=True)
     return 1 if failed else 0
+
+
+def _env() -> dict:
+    """This process's environment, with the repository on PYTHONPATH (the runs start elsewhere)."""
+    root = str(EXAMPLES.parent)
+    path = os.environ.get("PYTHONPATH", "")
+    parts = [os.path.abspath(p) for p in path.split(os.pathsep) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, *parts])}
 
 
 def _text(b) -> str:
