@@ -82,6 +82,8 @@ def main(argv=None) -> int:
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     debug = args.debug or bool(os.environ.get("DISTEMU_DEBUG"))
+    if args.debug:  # `python -m emulator --debug run ...` reaches the script's handler too
+        os.environ["DISTEMU_DEBUG"] = "1"
     try:
         if args.command == "run":
             _check_run(run, args)

@@ -20,6 +20,7 @@ import time
 import traceback
 
 import emulator
+from emulator import blas
 from emulator.check import verdict
 from emulator.launcher import under_mpi
 from emulator.rank import current_state
@@ -133,12 +134,22 @@ def run_example(main, args, world_size: int = 4, timeout: float | None = None) -
         progress_done()
 
 
+def _local_ranks(world: int) -> int:
+    """MPI processes on this machine (the launcher's variables; else the whole world)."""
+    for v in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(v, "").isdigit():
+            return int(os.environ[v])
+    return world
+
+
 def _mpi_guard(main, debug: bool):
-    """Under MPI: a failing rank prints one line naming itself, then aborts the job."""
+    """Under MPI: BLAS threads = this process's share of the cores; a failing rank prints one
+    line naming itself, then aborts the job."""
 
     def guarded(comm):
         try:
-            return main(comm)
+            with blas.limit(blas.per_rank(_local_ranks(comm.world_size))):  # cores per process
+                return main(comm)
         except Exception as exc:  # one line from the failing rank, then stop the job
             if debug:
                 raise  # emulator.launch prints the traceback and aborts
