@@ -14,6 +14,7 @@ There is no model here, so the model-size flags of the other examples do not app
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import numpy as np
@@ -165,7 +166,7 @@ def sizes_flag(text: str) -> tuple[int, ...]:
     except ValueError:
         out = ()
     if not out or min(out) < 0:
-        raise cli.argparse.ArgumentTypeError(
+        raise argparse.ArgumentTypeError(
             f"got {text!r}; need comma-separated element counts >= 0, e.g. 0,7,1000"
         )
     return out
