@@ -2,8 +2,8 @@
 
 NumPy's BLAS (OpenBLAS in the wheels) keeps one process-wide thread pool sized to the machine.
 With P virtual ranks each calling a matmul, P x cores BLAS threads compete for the cores, and
-OpenBLAS's waiting threads spin: on a busy 2-core machine example 02 ran 5-8x slower with the
-default pool than with one thread, `bench layouts` 20-40x. So `spawn` runs the ranks under
+OpenBLAS's waiting threads spin: on a busy 2-core machine example 02 ran 3-7x slower with the
+default pool than with one thread, a `bench layouts` step 3.6-35x (README, "BLAS threads"). So `spawn` runs the ranks under
 `limit(per_rank(P))` and restores the pool's size afterwards; under MPI each process (one rank)
 gets its share of the cores the same way (tools/run.py).
 

@@ -152,3 +152,9 @@ def test_under_mpiexec_a_bad_value_is_printed_once():
 def test_run_n_under_mpiexec_is_refused_once():
     out = run([MPIEXEC, "-n", "2", *EMU, "run", "-n", "4", EX["01"]])
     assert_one_clean_line(out, ["-n", "4", "mpiexec", "started 2"])
+
+
+@needs_mpi
+def test_example_02_under_mpiexec_prints_once():
+    out = run([MPIEXEC, "-n", "3", *PY, EX["02"], "--steps", "5"])
+    assert out.stdout.count("VERDICT:") == 1 and out.stdout.count("parameters; batch") == 1
