@@ -144,7 +144,8 @@ def _local_ranks(world: int) -> int:
 
 def _mpi_guard(main, debug: bool):
     """Under MPI: BLAS threads = this process's share of the cores; a failing rank prints one
-    line naming itself, then aborts the job."""
+    line naming itself, then aborts the job (ranks other than 0 wait 1.5 s first, so an error
+    all ranks raise - a layout refused - is printed once, by rank 0)."""
 
     def guarded(comm):
         try:
@@ -153,6 +154,8 @@ def _mpi_guard(main, debug: bool):
         except Exception as exc:  # one line from the failing rank, then stop the job
             if debug:
                 raise  # emulator.launch prints the traceback and aborts
+            if comm.rank:  # an error every rank raises is printed once: rank 0's abort (after
+                time.sleep(1.5)  # its 0.5 s) ends this process before it prints its copy
             print(error_line(exc, f"(rank {comm.rank} of {comm.world_size})"), file=sys.stderr)
             print("  (--debug shows the traceback)", file=sys.stderr, flush=True)
             time.sleep(0.5)  # let the launcher forward stderr before the job is torn down

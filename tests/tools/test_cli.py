@@ -158,3 +158,20 @@ def test_run_n_under_mpiexec_is_refused_once():
 def test_example_02_under_mpiexec_prints_once():
     out = run([MPIEXEC, "-n", "3", *PY, EX["02"], "--steps", "5"])
     assert out.stdout.count("VERDICT:") == 1 and out.stdout.count("parameters; batch") == 1
+
+
+@needs_mpi
+@pytest.mark.parametrize("mode, rank", [("all", 0), ("one", 1)])
+def test_an_error_under_mpiexec_is_printed_once_with_its_rank(tmp_path, mode, rank):
+    script = tmp_path / "boom.py"
+    script.write_text(
+        "import sys\nfrom tools import args as cli\nfrom tools.run import run_example\n"
+        "def main(comm):\n    if sys.argv[1] == 'all' or comm.rank == 1:\n"
+        "        raise ValueError('layout refused')\n    comm.barrier()\n"
+        "p = cli.parser('boom')\np.add_argument('mode')\ncli.add_common(p)\na = cli.parse(p)\n"
+        "sys.exit(run_example(main, a))\n"
+    )
+    out = run([MPIEXEC, "-n", "3", *PY, str(script), mode])
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert out.stderr.count("layout refused") == 1, out.stderr
+    assert f"error (rank {rank} of 3): ValueError: layout refused" in out.stderr
