@@ -20,6 +20,7 @@ from collections import deque
 
 import numpy as np
 
+from . import blas
 from .comm import (
     Call,
     CollectiveMismatch,
@@ -199,10 +200,11 @@ def spawn(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, check: b
             _bind_state(None)
 
     threads = [threading.Thread(target=run, args=(r,), name=f"rank-{r}") for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with blas.limit(blas.per_rank(w.size)):  # P ranks must not each start a full BLAS pool
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     if w.failure is not None:
         exc = w.failure
         if hasattr(exc, "add_note") and not isinstance(exc, CommError):

@@ -1,6 +1,6 @@
 """AdamW (torch.optim.AdamW semantics) on named arrays or flat shards, and global-norm clipping.
 
-Spec: shared/specs/model.md, "Optimizer". ``adamw_update`` is elementwise on whatever array
+Definition: docs/model.md, "Optimizer". ``adamw_update`` is elementwise on whatever array
 it is handed, so ZeRO can run it on a flat shard of the concatenated parameters; clipping is split
 into ``grad_norm_sq`` (a local sum a sharded layout all-reduces) and ``clip_coefficient``.
 """

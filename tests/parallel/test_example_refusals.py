@@ -17,10 +17,10 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 @pytest.mark.parametrize(
     ("script", "args", "message"),
-    [("03_data_parallel.py", ["--steps", "0"], "--steps must be >= 1, got 0"),
-     ("04_tensor_parallel.py", ["--microbatches", "0"], "--microbatches must be >= 1, got 0"),
-     ("05_pipeline.py", ["--steps", "-1"], "--steps must be >= 1, got -1"),
-     ("05_pipeline.py", ["--microbatches", "0"], "--microbatches must be >= 1, got 0")],
+    [("03_data_parallel.py", ["--steps", "0"], "argument --steps: got 0; need an integer >= 1 (see --help)"),
+     ("04_tensor_parallel.py", ["--microbatches", "0"], "argument --microbatches: got 0; need an integer >= 1 (see --help)"),
+     ("05_pipeline.py", ["--steps", "-1"], "argument --steps: got -1; need an integer >= 1 (see --help)"),
+     ("05_pipeline.py", ["--microbatches", "0"], "argument --microbatches: got 0; need an integer >= 1 (see --help)")],
 )  # fmt: skip
 def test_bad_counts_are_a_one_line_usage_error(script, args, message):
     proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True,
