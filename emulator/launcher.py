@@ -51,13 +51,12 @@ def _launch_mpi(main, timeout: float, check: bool) -> int:
     MPI = _mpi()
     comm = world_comm(timeout, check)
     try:
-        ok = _ok(main(comm))
-        comm.world.finish(comm)
+        # The end-of-run handshake (uncounted): every rank's verdict, and no message left over.
+        every = comm.world.finish(comm, _ok(main(comm)))
     except BaseException:  # noqa: BLE001 - one failing rank must stop the whole job
         sys.stderr.write(f"[rank {comm.rank}] failed:\n{traceback.format_exc()}")
         sys.stderr.flush()
         time.sleep(0.5)  # let the launcher forward our stderr before Abort tears the job down
         MPI.COMM_WORLD.Abort(1)
         os._exit(1)  # Abort may return before the launcher kills us; never continue
-    every = MPI.COMM_WORLD.allreduce(int(ok), op=MPI.MIN)  # uncounted: a verdict, not traffic
-    return 0 if every else 1
+    return 0 if all(every) else 1
