@@ -12,6 +12,7 @@ sees each rank's own error, not only the one an Abort would print.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ import numpy as np
 import collectives as C
 import emulator
 
-TIMEOUT = 3.0  # seconds; every fault must end in a named error within it (two for a cascade)
+TIMEOUT = 2.0  # seconds; every fault must end in a named error within it (two for a cascade)
 
 
 def group_order(comm):  # rank 0 lists the members in reverse
@@ -95,6 +96,12 @@ def hard_exit(comm):  # rank 1 leaves without a word, after a collective; the ot
     return 0
 
 
+def killed(comm):  # rank 1 is killed (SIGKILL) while the others wait for it
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    C.all_reduce(comm, np.ones(3))
+
+
 def many_groups(comm):  # 5,000 group creations (each freed when the next replaces it)
     for i in range(5000):
         g = comm.group(range(comm.size), name=f"g{i % 7}")
@@ -105,7 +112,7 @@ def many_groups(comm):  # 5,000 group creations (each freed when the next replac
 
 CASES = {f.__name__: f for f in (
     group_order, group_members, group_skip, mesh_swap, recv_dtype, recv_shape, stray,
-    stray_in_collective, barrier_vs_barrier, objects_vs_all_reduce, hard_exit, many_groups,
+    stray_in_collective, barrier_vs_barrier, objects_vs_all_reduce, hard_exit, killed, many_groups,
 )}  # fmt: skip
 
 
