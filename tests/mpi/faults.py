@@ -77,7 +77,9 @@ def stray_in_collective(comm):  # a collective whose algorithm sends one message
             comm.send(np.ones(2), 1)
         elif comm.rank == 1:
             comm.recv(0, shape=2, dtype=np.float64)
-            time.sleep(0.3)  # let the extra message arrive (else the end-of-run count finds it)
+            # wait (raw MPI, test-side) until the extra message is here, so the check at the
+            # collective's end must find it (a later one would be the end-of-run count's)
+            comm.mpi.Probe(source=0, tag=comm._tag(comm.state.current.seq))
 
 
 def barrier_vs_barrier(comm):  # rank 0's control-plane barrier against a counted barrier
