@@ -135,8 +135,8 @@ class MPIComm(Comm):
         buf = out.reshape(-1).view(np.uint8)
         return self.mpi.Irecv(buf, source=src, tag=self._tag(channel)), out
 
-    def _complete(self, req, src: int, out, send_req=None) -> None:
-        """Wait for a posted receive (and our matching send); check the message's size."""
+    def _complete(self, req, src: int, out, send_req=None, dst: int = -1) -> None:
+        """Wait for a posted receive (and our send to dst); check the message's size."""
         MPI = _mpi()
         status = MPI.Status()
         peer = self.ranks[src]
@@ -147,7 +147,7 @@ class MPIComm(Comm):
         if status.Get_count(MPI.BYTE) != out.nbytes:
             raise self._size_error(src, out, str(status.Get_count(MPI.BYTE)))
         if send_req is not None:
-            self._wait(send_req.Test, f"for rank {peer} to take our message")
+            self._wait(send_req.Test, f"for rank {self.ranks[dst]} to take our message")
 
     def _size_error(self, src: int, out, got: str) -> CommError:
         return CommError(
@@ -173,7 +173,7 @@ class MPIComm(Comm):
         t.sent_n[dst] += 1
         t.sent_b[dst] += array.nbytes
         self._record("send", dst, array.nbytes)
-        self._complete(rreq, src, out, send_req=sreq)
+        self._complete(rreq, src, out, send_req=sreq, dst=dst)
         t.recv_n[src] += 1
         t.recv_b[src] += out.nbytes
         self._record("recv", src, out.nbytes)

@@ -72,6 +72,7 @@ def exchange(comm, mpicomm, peers: dict, label: str, payload: bytes, tag: int, w
     pending = comm.world.pending
     for p in peers:
         pending.append((mpicomm.Isend(msg, dest=p, tag=tag), msg))
+    comm.world.prune()
     got: dict = {}
     probing = dict(peers)
     receiving: list = []
