@@ -22,9 +22,7 @@ import numpy as np
 import collectives as C
 import emulator
 
-TIMEOUT = (
-    2.0  # seconds, for the cases that end in a timeout (the expected text names who is missing)
-)
+TIMEOUT = 2.0  # seconds: for the cases that end in a timeout (its text names who is missing)
 # Cases that end in a mismatch or a count at once get a generous timeout: a loaded machine must
 # not turn their named error into a timeout.
 GENEROUS = 30.0
