@@ -51,7 +51,14 @@ def _launch_mpi(main, timeout: float, check: bool) -> int:
         raise ValueError(f"launch: timeout must be positive seconds, got {timeout!r}")
     if "mpi4py.MPI" in sys.modules or not hasattr(os, "fork"):
         return _run_rank(main, timeout, check)  # MPI is up already: no supervisor (see below)
+    global _supervised
+    if _supervised:  # the rank's MPI lived in a child that has exited; MPI starts once per rank
+        raise RuntimeError("launch: under mpiexec a script calls launch() once per process")
+    _supervised = True
     return _supervise(main, timeout, check)
+
+
+_supervised = False
 
 
 def _supervise(main, timeout: float, check: bool) -> int:

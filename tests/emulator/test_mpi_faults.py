@@ -166,3 +166,13 @@ def test_launch_refuses_a_bad_timeout_under_mpi(bad):
     )
     assert out.returncode != 0
     assert "ValueError: launch: timeout must be positive seconds" in out.stderr, out.stderr
+
+
+def test_second_launch_in_one_process_is_refused():
+    code = "import emulator; print('first', emulator.launch(lambda c: 0)); emulator.launch(None)"
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-c", code]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode != 0 and out.stdout.count("first 0") == 2, out.stdout
+    assert "RuntimeError: launch: under mpiexec a script calls launch() once per process" in (
+        out.stderr
+    )
