@@ -5,11 +5,11 @@
 
 Every rank trains on its slice of each global batch; the run is compared, by name, with
 reference_train on the whole batch in the same precision (losses, gradients, parameters or their
-updates, Adam m and v; tolerances measured, parallel/dp_compare.py; MoE routing first). Printed
+updates, Adam m and v; tolerances measured, parallel/check/data.py; MoE routing first). Printed
 beside the ZeRO paper's figures as numbers (Rajbhandari et al. 2020, sections 3.1 and 7): bytes
 sent per rank per step (2, 2, 2, 3 Psi at k = 1, and the k-scaled count moved here), static
 memory (16 Psi, 4 Psi + 12 Psi/D, 2 Psi + 14 Psi/D, 16 Psi/D in mixed), padding included; peak
-memory per category beside its formula (parallel/dp_check.py); and the order the collectives
+memory per category beside its formula (parallel/data/cost.py); and the order the collectives
 fired in: DDP buckets at their backward point (Li et al. 2020, section 3.2.3), ZeRO-3 gathers
 with prefetch (Zhao et al. 2023, section 3.3.3).
 """
@@ -20,12 +20,14 @@ import argparse
 import sys
 
 import emulator
-from emulator.check import verdict
+from emulator.check import compare_replicas, verdict
 from emulator.data import synthetic_batch
 from emulator.ledger import format_table
 from emulator.model import ModelConfig, n_params
 from emulator.reference import reference_train
-from parallel.dp_check import (
+from parallel.check.data import compare_dp
+from parallel.check.routing import reference_routes
+from parallel.data.cost import (
     PAPER,
     PAPER_WIRE,
     paper_figures,
@@ -34,9 +36,7 @@ from parallel.dp_check import (
     step_bytes,
     wire_elements,
 )
-from parallel.dp_compare import compare_dp
-from parallel.dp_train import train_data_parallel
-from parallel.moe_routing import reference_routes
+from parallel.data.train import train_data_parallel
 
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 p.add_argument("--stage", choices=["ddp", "1", "2", "3"], default="ddp")
@@ -49,6 +49,9 @@ p.add_argument("--bucket-cap-mb", type=float, default=0.01)
 p.add_argument("--no-reshard", action="store_true", help="ZeRO-3: reshard_after_forward=False")
 p.add_argument("--prefetch", action="store_true", help="ZeRO-3: forward/backward prefetch")
 args = p.parse_args()
+for _name in ("steps", "microbatches", "batch"):  # 0 or negative: refuse before any rank starts
+    if getattr(args, _name) < 1:
+        p.error(f"--{_name} must be >= 1, got {getattr(args, _name)}")
 
 MOE = {"n_experts": 4, "moe_top_k": 2} if args.moe else {}
 CFG = ModelConfig(vocab_size=32, max_seq_len=8, d_model=10, n_heads=2, n_layers=2,
@@ -82,6 +85,8 @@ def main(comm) -> int:
     ok = ok and all(sb[w] == (want_b[w],) * 2 for w in want_b)
     ok = ok and sb["grads"][0] + sb["params"][0] == fig[f"bytes k={k} (Psi_pad)"]
     rows = comm.gather_object((row, ok))
+    # every rank's replica, not rank 0's alone (uncounted): a rank that skipped a step shows
+    replicas = comm.gather_object({"losses": run.losses, "grads": run.grads, "params": run.params})
     ref = routing = None
     if comm.rank == 0:
         ref = reference_train(CFG, 0, batches, args.steps, microbatches=D * k, **TRAIN)
@@ -90,6 +95,8 @@ def main(comm) -> int:
     if comm.rank != 0:
         return 0
     _, problems, checked = compare_dp(run, ref, CFG.dtype, routing, CFG.moe_top_k)
+    problems += compare_replicas(replicas)
+    checked += f"; losses, grads, params bitwise identical on {D}/{D} ranks"
     c = fig["c"]
     print(f"stage {st}, D={D}, {CFG.dtype}{' MoE' if CFG.is_moe else ''}, k={k} micro-batches, "
           f"{len(run.layouts)} flat buffers; Psi={psi}, Psi_pad={pad} "

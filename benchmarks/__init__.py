@@ -1,0 +1,1 @@
+"""Benchmarks: commands that print a table with their baseline measured in the same run."""

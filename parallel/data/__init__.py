@@ -1,0 +1,1 @@
+"""Data parallelism: DDP buckets and no_sync; ZeRO-1/2/3 on one code path; FSDP units."""

@@ -1,0 +1,126 @@
+"""What DDP and ZeRO share: the loss normalisation and a layer-by-layer
+model step with hooks, so a layout can act exactly when the backward produces a gradient.
+(Clipping by the global norm, for every layout: parallel/clip.py.)
+
+Shape letters: B batch (this rank's micro-batch), S sequence, H d_model.
+
+Normalisation (docs/CONTRACTS.md): each dp rank computes the gradient of its share of the global
+loss - CE divided by the global token count of the step, aux weighted by its share of the step's
+routing groups - so gradients are SUMMED over dp and equal the reference's exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from emulator.model import (
+    block_backward,
+    block_forward,
+    block_params,
+    embed_backward,
+    embed_forward,
+    head_backward,
+    head_forward,
+)
+from parallel.check.routing import decisions
+
+
+def loss_scales(global_tokens: int, my_groups: int, all_groups: int) -> tuple[int, float]:
+    """(ce_denom, aux_scale) of one micro-batch on one dp rank (see the module docstring)."""
+    if global_tokens < 1 or not 0 < my_groups <= all_groups:
+        raise ValueError(
+            f"loss_scales: need global_tokens >= 1 and 0 < my_groups <= all_groups, got "
+            f"{global_tokens}, {my_groups}, {all_groups}"
+        )
+    return int(global_tokens), my_groups / all_groups
+
+
+def rebind(obj, table: dict):
+    """A copy of a cache with every array whose id is in `table` replaced by table[id].
+
+    FSDP frees a unit's gathered parameters after its forward and gathers them again for its
+    backward; rebinding the saved caches to the re-gathered arrays makes the backward provably
+    run on the second gather, not on memory the ledger says was freed.
+    """
+    if isinstance(obj, np.ndarray):
+        return table.get(id(obj), obj)
+    if isinstance(obj, dict):
+        return {k: rebind(v, table) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(rebind(v, table) for v in obj)
+    return obj
+
+
+def backward_order(grads, position: dict) -> list:
+    """Gradient names in the order a backward produces them: reverse parameter order
+    (position: {name: index in the parameter dict}), the order DDP / ZeRO buckets are built in
+    (flat.make_buckets), whatever order a layer's backward returned its dict in. Then a bucket
+    is complete before the next one's first gradient arrives (one transient bucket at a time)."""
+    return sorted(grads, key=position.__getitem__, reverse=True)
+
+
+class Hooks:
+    """The layout's say in a step. Layers: "embed", "blocks.i", "head" (forward order)."""
+
+    def pre_forward(self, layer: str) -> dict:  # full-name params the layer computes with
+        raise NotImplementedError
+
+    def post_forward(self, layer: str) -> None:
+        pass
+
+    def pre_backward(self, layer: str) -> dict:
+        return self.pre_forward(layer)
+
+    def post_backward(self, layer: str, grads: dict) -> None:
+        raise NotImplementedError
+
+
+def layers(cfg) -> list[str]:
+    return ["embed", *(f"blocks.{i}" for i in range(cfg.n_layers)), "head"]
+
+
+def microbatch_step(hooks: Hooks, tokens, targets, cfg, *, ce_denom, aux_scale, groups=None,
+                    recompute="none", mem=None, mem_prefix="", routing=None, positions=None,
+                    attention=None):  # fmt: skip
+    """One micro-batch forward + backward, layer by layer; the loss is the rank's share.
+
+    Same arithmetic, in the same order, as emulator.model.model_forward / model_backward, so a
+    rank's gradients are bitwise the reference's for the same micro-batch. `routing` (a list,
+    MoE only): each block's decisions (parallel.check.routing.decisions: the kept (N, E) experts
+    of each routing group) are appended, in layer order; not available with recompute="full".
+    Context parallelism: `positions` (the local columns' global positions, for the position
+    embedding) and `attention` (its attention core pair, see emulator.block.block_forward).
+    """
+    caches, used, aux = {}, {}, []
+    p = used["embed"] = hooks.pre_forward("embed")
+    x, caches["embed"] = embed_forward(p, tokens, positions)  # (B, S, H)
+    hooks.post_forward("embed")
+    for i in range(cfg.n_layers):
+        name = f"blocks.{i}"
+        p = used[name] = hooks.pre_forward(name)
+        kw = {"recompute": recompute, "groups": groups, "mem": mem, "name": mem_prefix + name}
+        kw["attention"] = attention
+        x, caches[name] = block_forward(block_params(p, i), x, cfg, **kw)
+        aux.append(caches[name]["aux"])
+        if routing is not None and "moe" in caches[name]["saved"]:
+            routing.append(decisions(caches[name]["saved"]["moe"][0]))
+        hooks.post_forward(name)
+    p = used["head"] = hooks.pre_forward("head")
+    ce, caches["head"] = head_forward(p, x, targets, cfg, denom=ce_denom)
+    hooks.post_forward("head")
+    loss = float(ce) + cfg.aux_loss_coef * aux_scale * sum(aux)
+    daux = cfg.aux_loss_coef * aux_scale
+
+    for layer in reversed(layers(cfg)):
+        p = hooks.pre_backward(layer)
+        table = {id(a): p[n] for n, a in used[layer].items() if p[n] is not a}
+        cache = rebind(caches.pop(layer), table) if table else caches.pop(layer)
+        if layer == "head":
+            dx, g = head_backward(1.0, cache)
+        elif layer == "embed":
+            g = embed_backward(dx, cache)
+        else:
+            dx, dbp = block_backward(dx, cache, daux=daux)
+            g = {f"{layer}.{n}": d for n, d in dbp.items()}
+        hooks.post_backward(layer, g)
+    return loss

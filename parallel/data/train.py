@@ -1,0 +1,163 @@
+"""Training with data parallelism - DDP or ZeRO-1/2/3 - on the ranks of `comm`, comparable with
+`emulator.reference.reference_train` run on the same global batch.
+
+Rank r of D takes rows [r B/D, (r+1) B/D) of the global batch (emulator.data.shard_batch) and
+splits them into k micro-batches, so its micro-batch j is the reference's micro-batch r k + j
+when the reference runs with microbatches = D k. Routing groups (MoE) follow the same numbering:
+groups_fn(step, r k + j, B_mb, S), exactly what reference_train calls for that micro-batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+from emulator.data import shard_batch, split_microbatches
+from emulator.guards import check_finite, check_training
+from emulator.model import check_inputs, init_params, to_compute
+from emulator.optim import AdamW
+from emulator.precision import compute_dtype
+from parallel.clip import clip_
+from parallel.data.common import loss_scales, microbatch_step
+from parallel.data.ddp import DDP
+from parallel.data.flat import fsdp_units
+from parallel.data.fsdp import FSDPHooks, ReplicatedHooks
+from parallel.data.zero import ZeroOptimizer, check_stage
+
+
+@dataclasses.dataclass
+class DPRun:
+    stage: str
+    losses: list  # global loss per step (the sum of every rank's share)
+    grad_norms: list
+    grads: dict  # the last step's summed gradient, before clipping, full shape
+    params: dict  # final master parameters, full shape
+    opt_state: dict  # {"step", "m", "v"}, full shape
+    step_bytes: list  # per step: {"grads": (sent, recv), "params": (sent, recv)} on dp
+    layouts: list  # the flat buffers (DDP buckets, ZeRO buckets or FSDP units)
+    memory: dict  # this rank's MemoryLedger.snapshot() at the end (before the run frees it)
+    comm_order: list  # step 0: distinct dp/grads and dp/params ledger tags in issue order
+    routing: list  # MoE: [step][global micro-batch][layer] -> (B_mb S, K) experts chosen
+
+
+def check_layout(stage, D: int, batch: int, microbatches: int) -> str:
+    stage = "ddp" if str(stage) == "ddp" else str(check_stage(stage))
+    if batch % D:
+        raise ValueError(
+            f"global batch B={batch} is not divisible by the data-parallel degree D={D}; "
+            f"use a batch that is a multiple of {D} or another number of ranks"
+        )
+    if microbatches < 1 or (batch // D) % microbatches:
+        raise ValueError(
+            f"micro-batches={microbatches} must divide each rank's batch B/D={batch // D} "
+            f"(B={batch}, D={D}); choose a divisor of {batch // D}"
+        )
+    return stage
+
+
+def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microbatches=1,
+                        lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=None,
+                        bucket_cap_mb=25.0, reshard_after_forward=True, prefetch=False,
+                        groups_fn=None, recompute="none", poison_freed=False) -> DPRun:  # fmt: skip
+    """Train; every memory-ledger entry the run makes is freed before it returns (run.memory is
+    the snapshot just before), and the ledger's peaks are reset at the start, so a program may
+    call it again - any stage - and see the same figures (run.memory["peak"] is this run's).
+    ``poison_freed`` (tests): ZeRO-3 fills every freed gathered unit with NaN (ZeroOptimizer)."""
+    stage = "ddp" if str(stage) == "ddp" else str(check_stage(stage))
+    check_training("train_data_parallel", steps=steps, microbatches=microbatches, lr=lr,
+                   betas=betas, eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
+    mem = comm.memory
+    mem.reset_peak()
+    hyper = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+    params = init_params(cfg, seed)  # same seed on every rank: identical replicas, no broadcast
+    statics = []  # (category, name) allocated here (DDP: the replicated model and AdamW)
+    if stage == "ddp":
+        engine = DDP(comm, params, bucket_cap_mb=bucket_cap_mb, dtype=cfg.dtype, mem=mem)
+        opt = AdamW(params, **hyper)
+        statics.append(("params", "master", sum(p.nbytes for p in params.values())))
+        if cfg.dtype == "mixed":  # the bf16 compute copy: Psi c
+            c = compute_dtype(cfg.dtype).itemsize
+            statics.append(("params", "compute_copy", sum(p.size for p in params.values()) * c))
+        statics.append(("optimizer", "adamw", opt.nbytes()))
+        for cat, name, nbytes in statics:
+            mem.alloc(cat, name, nbytes)
+    else:
+        shapes = {n: p.shape for n, p in params.items()}
+        units = [u.names for u in fsdp_units(shapes, comm.size)] if stage == "3" else None
+        engine = ZeroOptimizer(comm, params, int(stage), dtype=cfg.dtype, max_norm=max_norm,
+                               bucket_cap_mb=bucket_cap_mb, units=units, mem=mem,
+                               poison_freed=poison_freed, **hyper)  # fmt: skip
+        opt = None
+    try:
+        run = DPRun(stage, [], [], {}, {}, {}, [], engine.layouts, {}, [], [])
+        for step in range(steps):
+            _step(comm, cfg, engine, opt, params, run, step, batches, microbatches, groups_fn,
+                  max_norm, reshard_after_forward, prefetch, recompute)  # fmt: skip
+        if stage == "ddp":
+            run.params = {n: p.copy() for n, p in params.items()}
+            run.opt_state = {"step": opt.step_count, "m": opt.m, "v": opt.v}
+        else:
+            run.grads = engine.full_grads()
+            run.params, run.opt_state = engine.master_params(), engine.state_dict()
+        run.memory = mem.snapshot()
+        return run
+    finally:  # free what this run allocated, even on an error
+        engine.close()
+        for cat, name, _ in statics:
+            mem.free(cat, name)
+
+
+def _step(comm, cfg, engine, opt, params, run, step, batches, k, groups_fn, max_norm,
+          reshard_after_forward, prefetch, recompute) -> None:  # fmt: skip
+    """One optimizer step: k micro-batches, the gradient sync, clip and AdamW; run += figures."""
+    stage, D, r, mem = run.stage, comm.size, comm.rank, comm.memory
+    tokens, targets = batches(step) if callable(batches) else batches[step]
+    tokens, targets = check_inputs(tokens, targets, cfg)
+    check_layout(stage, D, tokens.shape[0], k)
+    mbs = split_microbatches(*shard_batch(tokens, targets, r, D), k)
+    b, S = tokens.shape[0] // (D * k), tokens.shape[1]
+    groups = [groups_fn(step, g, b, S) if groups_fn else None for g in range(D * k)]
+    n_groups = [1 if g is None else len(g) for g in groups]
+    mark = comm.ledger.mark()
+    if stage == "3":
+        hooks = FSDPHooks(engine, cfg, reshard_after_forward=reshard_after_forward,
+                          prefetch=prefetch)  # fmt: skip
+    else:  # DDP computes with the compute-dtype copy of the (updated) master
+        hooks = ReplicatedHooks(to_compute(params, cfg) if opt else engine.params, engine)
+    shares, routing = [], [[] for _ in mbs]
+    for j, (t, y) in enumerate(mbs):
+        ce_denom, aux_scale = loss_scales(tokens.size, n_groups[r * k + j], sum(n_groups))
+        last = j == k - 1
+        ctx = engine.no_sync() if stage == "ddp" and not last else contextlib.nullcontext()
+        with ctx:
+            shares.append(microbatch_step(
+                hooks, t, y, cfg, ce_denom=ce_denom, aux_scale=aux_scale,
+                groups=groups[r * k + j], recompute=recompute, mem=mem, mem_prefix=f"mb{j}.",
+                routing=routing[j],
+            ))  # fmt: skip
+    if cfg.is_moe:  # every micro-batch's routing, in the reference's order r k + j (uncounted)
+        run.routing.append([mb for every in comm.allgather_object(routing) for mb in every])
+    total, every = 0.0, comm.allgather_object(shares)
+    for share in (s for mine in every for s in mine):
+        total += share  # the reference's order: micro-batch r k + j
+    run.losses.append(total)
+    if stage == "ddp":
+        grads = engine.finish()
+        run.grads = {n: g.copy() for n, g in grads.items()}
+        # DDP grads are already summed (replicated) over dp: no group to reduce over
+        run.grad_norms.append(clip_(grads, max_norm, (), tag="dp/clip")[0])
+        opt.step(params, grads)
+        engine.zero_grad()
+    else:
+        run.grad_norms.append(engine.step())
+    check_finite(step, rank=r, losses=[sum(m) for m in every], grad_norm=run.grad_norms[-1],
+                 where=f"data parallel, stage {stage}")  # fmt: skip
+    recs = comm.ledger.since(mark)
+    run.step_bytes.append({
+        what: (comm.ledger.sent(recs, tag=f"dp/{what}*"),
+               comm.ledger.received(recs, tag=f"dp/{what}*"))
+        for what in ("grads", "params", "clip")
+    })  # fmt: skip
+    if step == 0:  # the order collectives were issued in (DDP bucket readiness, ZeRO-3 prefetch)
+        tags = [rec.tag for rec in recs if rec.tag.startswith(("dp/grads", "dp/params"))]
+        run.comm_order = list(dict.fromkeys(tags))

@@ -1,0 +1,197 @@
+"""Megatron tensor parallelism of one transformer block (Shoeybi et al. 2019, section 3).
+
+Shape letters: B batch, S sequence, H d_model, A heads, F d_ff, R = t the tp group size;
+"S_l" is S (replicated regions) or S/R (sequence parallel, parallel/tensor/sequence.py).
+
+Attention: wq, wk, wv column-parallel (rank r owns heads r*A/R .. (r+1)*A/R - 1, whole heads,
+so attention itself needs no communication); wo row-parallel. MLP: w1 column-parallel (GeLU is
+elementwise, so it applies to each column block alone), w2 row-parallel. A row-parallel layer's
+output is a partial sum; its bias is added once, after the reduction (section 3, Figure 3).
+The communication is the conjugate pair of section 3, Figure 3, named and visible here:
+
+    f   entering a TP region:  forward identity,   backward all-reduce   (X feeds every rank)
+    g   leaving a TP region:   forward all-reduce,  backward identity    (Y = sum_r Y_r)
+
+Two of each per block: four all-reduces of the (B, S, H) hidden state per layer (Figure 4).
+With sequence parallelism ``enter``/``leave`` use the all-gather / reduce-scatter pair instead.
+The block reuses emulator/ops.py unchanged; only the calls to f, g (enter, leave) are new.
+"""
+
+from __future__ import annotations
+
+from collectives.api import all_reduce
+from emulator import scope
+from emulator.config import param_shapes
+from emulator.memory import saved_nbytes
+from emulator.ops import (
+    attention_backward,
+    attention_forward,
+    gelu_backward,
+    gelu_forward,
+    layernorm_backward,
+    layernorm_forward,
+    linear_backward,
+    linear_forward,
+)
+from emulator.precision import add, down, up
+from parallel.tensor.moe import tp_moe_backward, tp_moe_forward
+from parallel.tensor.sequence import check_sequence, gather_seq, reduce_scatter_seq, scatter_seq
+from parallel.tensor.shard import REPLICATE, Placement, validate
+
+COL, ROW = Placement("col", -1), Placement("row", 0)
+_BLOCK_PLAN = {
+    "attn.wq": COL, "attn.bq": COL, "attn.wk": COL, "attn.bk": COL,
+    "attn.wv": COL, "attn.bv": COL, "attn.wo": ROW,
+    "mlp.w1": COL, "mlp.b1": COL, "mlp.w2": ROW,
+    "moe.w1": COL, "moe.b1": COL, "moe.w2": Placement("row", 1),  # (E, F, H): cut F
+}  # fmt: skip
+_TOP_PLAN = {"embed.tok": Placement("vocab", 0), "head.w": Placement("vocab", -1)}
+
+
+def megatron_plan(cfg) -> dict:
+    """name -> Placement for every parameter; everything not listed is replicated (LayerNorms,
+    row-parallel biases bo / b2, embed.pos, final_ln, the MoE router)."""
+    plan = {}
+    for name in param_shapes(cfg):
+        leaf = name.split(".", 2)[2] if name.startswith("blocks.") else None
+        plan[name] = _BLOCK_PLAN.get(leaf, REPLICATE) if leaf else _TOP_PLAN.get(name, REPLICATE)
+    return plan
+
+
+def check_tp(cfg, t: int, S: int | None = None, sequence_parallel: bool = False) -> None:
+    """ValueError naming what t must divide (no padding: a ragged shard is not Megatron's)."""
+    if cfg.n_heads % t:
+        raise ValueError(
+            f"tensor parallel: n_heads={cfg.n_heads} is not divisible by tp={t}; each rank must "
+            f"own whole heads - choose tp dividing the number of heads"
+        )
+    validate(megatron_plan(cfg), param_shapes(cfg), t)  # d_ff, vocabulary (and H) divisible
+    if sequence_parallel and S is not None:
+        check_sequence(S, t)
+
+
+# ---- the conjugate operators (Shoeybi et al. 2019, section 3, Figure 3) ------------------------
+def f_forward(tp, x):
+    return x  # identity: every rank already holds the full input
+
+
+def f_backward(tp, dx):
+    return all_reduce(tp, dx, algorithm="ring")  # sum each rank's contribution to dX
+
+
+def g_forward(tp, y):
+    return all_reduce(tp, y, algorithm="ring")  # Y = sum over ranks of the partial Y_r
+
+
+def g_backward(tp, dy):
+    return dy  # dL/dY_r = dL/dY on every rank
+
+
+def enter(tp, x, sp: bool):
+    """(B, S_l, H) -> (B, S, H): f, or the sequence all-gather under SP."""
+    return gather_seq(tp, x) if sp else f_forward(tp, x)
+
+
+def enter_backward(tp, dx, sp: bool):
+    """(B, S, H) partial -> (B, S_l, H): f's all-reduce, or the reduce-scatter under SP."""
+    return reduce_scatter_seq(tp, dx) if sp else f_backward(tp, dx)
+
+
+def leave(tp, y, sp: bool):
+    """(B, S, H) partial -> (B, S_l, H): g's all-reduce, or the reduce-scatter under SP."""
+    return reduce_scatter_seq(tp, y) if sp else g_forward(tp, y)
+
+
+def leave_backward(tp, dy, sp: bool):
+    """(B, S_l, H) -> (B, S, H): identity, or the sequence all-gather under SP."""
+    return gather_seq(tp, dy) if sp else g_backward(tp, dy)
+
+
+def bias_grad(dy, dtype):
+    return down(up(dy).reshape(-1, dy.shape[-1]).sum(axis=0), dtype)
+
+
+# ---- the block --------------------------------------------------------------------------------
+def tp_block_forward(tp, bp, x, cfg, *, sp=False, regather=True, keep_probs=True, groups=None,
+                     mem=None, name="block"):  # fmt: skip
+    """bp: this rank's shards with local names; x (B, S_l, H) -> (x_out (B, S_l, H), cache).
+
+    ``regather`` (SP only): keep the S/R slice of each column-parallel input and all-gather it
+    again in the backward (Korthikanti et al. 2022, section 4.2.2), instead of keeping the
+    gathered (B, S, H) copy. It costs two extra all-gathers per layer, tagged "regather".
+    """
+    c, drop = {"sp": sp}, sp and regather
+    a, c["ln1"] = layernorm_forward(x, bp["ln1.gain"], bp["ln1.bias"], cfg.ln_eps)
+    a_full = enter(tp, a, sp)  # f  (B, S, H)
+    q, c["q"] = linear_forward(a_full, bp["attn.wq"], bp["attn.bq"])  # (B, S, H/R) whole heads
+    k, c["k"] = linear_forward(a_full, bp["attn.wk"], bp["attn.bk"])
+    v, c["v"] = linear_forward(a_full, bp["attn.wv"], bp["attn.bv"])
+    o, c["attn"] = attention_forward(q, k, v, cfg.n_heads // tp.size, keep_probs=keep_probs)
+    y, c["o"] = linear_forward(o, bp["attn.wo"])  # (B, S, H) partial: bo comes after g
+    x = add(x, add(leave(tp, y, sp), bp["attn.bo"]))  # g
+    m, c["ln2"] = layernorm_forward(x, bp["ln2.gain"], bp["ln2.bias"], cfg.ln_eps)
+    m_full = enter(tp, m, sp)  # f
+    if cfg.is_moe:
+        y, aux, c["moe"] = tp_moe_forward(tp, bp, m_full, cfg, groups)  # (B, S, H) partial
+        x = add(x, leave(tp, y, sp))  # g
+    else:
+        z, c["w1"] = linear_forward(m_full, bp["mlp.w1"], bp["mlp.b1"])  # (B, S, F/R)
+        h, c["gelu"] = gelu_forward(z)
+        y, c["w2"] = linear_forward(h, bp["mlp.w2"])  # (B, S, H) partial
+        x = add(x, add(leave(tp, y, sp), bp["mlp.b2"]))  # g, then b2 once
+        aux = 0.0
+    if drop:  # keep the slices, forget the gathered copies the linear caches point at
+        c["a"] = a  # (an MoE block keeps its routed token copies: no regather there)
+        for key in ("q", "k", "v") if cfg.is_moe else ("q", "k", "v", "w1"):
+            c[key] = (None, *c[key][1:])
+        if not cfg.is_moe:
+            c["m"] = m
+    c.update(aux=aux, regather=drop, mem=mem, name=name, bp=bp, cfg=cfg)
+    if mem is not None:
+        mem.alloc("activations", name, saved_nbytes(c, exclude=bp.values()))
+    return x, c
+
+
+def _linear_input(tp, c, key, local):
+    """The input of the column-parallel linear cached under ``key``, (B, S, H). Under regather
+    the forward kept only the S/R slice ``c[local]``: all-gather it again (Korthikanti et al. 2022,
+    section 4.2.2). Reads the forward's cache, never writes it."""
+    if not c["regather"]:
+        return c[key][0]
+    with scope("regather"):
+        return enter(tp, c[local], True)
+
+
+def tp_block_backward(tp, dx, c, daux=None):
+    """dx (B, S_l, H) -> (dx_in (B, S_l, H), grads of this rank's shards, in bp's order)."""
+    bp, cfg, sp = c["bp"], c["cfg"], c["sp"]
+    daux = cfg.aux_loss_coef if daux is None else daux
+    g = {}
+    if cfg.is_moe:
+        dm_exp, dm_router, gm = tp_moe_backward(tp, leave_backward(tp, dx, sp), c["moe"], daux, bp)
+        g.update(gm)
+        if sp:
+            dm_router = scatter_seq(dm_router, tp.size, tp.rank)  # no communication
+        dm = add(enter_backward(tp, dm_exp, sp), dm_router)  # f^T on the experts' share only
+    else:
+        g["mlp.b2"] = bias_grad(dx, bp["mlp.b2"].dtype)  # on S_l positions: partial under SP
+        dh, g["mlp.w2"], _ = linear_backward(leave_backward(tp, dx, sp), c["w2"])  # g^T
+        dz = gelu_backward(dh, c["gelu"])
+        m_full = _linear_input(tp, c, "w1", "m")  # (B, S, H)
+        dm, g["mlp.w1"], g["mlp.b1"] = linear_backward(dz, (m_full, *c["w1"][1:]))
+        dm = enter_backward(tp, dm, sp)  # f^T: sum the ranks' contributions
+    dln2, g["ln2.gain"], g["ln2.bias"] = layernorm_backward(dm, c["ln2"])
+    dx = add(dx, dln2)
+    g["attn.bo"] = bias_grad(dx, bp["attn.bo"].dtype)
+    do, g["attn.wo"], _ = linear_backward(leave_backward(tp, dx, sp), c["o"])  # g^T
+    dq, dk, dv = attention_backward(do, c["attn"])
+    a_full = _linear_input(tp, c, "q", "a")  # (B, S, H): q, k, v share one input
+    da_q, g["attn.wq"], g["attn.bq"] = linear_backward(dq, (a_full, *c["q"][1:]))
+    da_k, g["attn.wk"], g["attn.bk"] = linear_backward(dk, (a_full, *c["k"][1:]))
+    da_v, g["attn.wv"], g["attn.bv"] = linear_backward(dv, (a_full, *c["v"][1:]))
+    da = enter_backward(tp, down(up(da_q) + up(da_k) + up(da_v), dx.dtype), sp)  # f^T
+    dln1, g["ln1.gain"], g["ln1.bias"] = layernorm_backward(da, c["ln1"])
+    dx = add(dx, dln1)
+    if c["mem"] is not None:
+        c["mem"].free("activations", c["name"])
+    return dx, {n: g[n] for n in bp}

@@ -1,0 +1,1 @@
+"""The command line's commands (tour, bench, ...): above every package, so they may use any."""
