@@ -8,7 +8,9 @@ None / True) on success. Then:
     python script.py                            -> virtual ranks, the script's default count
 
 The backend is chosen from how the process was started (an MPI launcher sets PMI_* / OMPI_*
-variables in the environment), never from a feature switch.
+variables in the environment), never from a feature switch. Under MPI each rank ends with a
+handshake (every verdict, no message left over) and runs in a forked child of the process mpiexec
+started, so a rank that exits or is killed mid-run fails the job naming it (`_supervise`).
 """
 
 from __future__ import annotations
