@@ -78,14 +78,14 @@ class Comm:
         """Eager send of `array` to group rank `dst`; the receiver gets a copy."""
         array = self._as_message(array, "send")
         self._peer(dst, "send to")
-        self._post(array, dst)
+        self._post(array, dst, self._channel())
         self._record("send", dst, array.nbytes)
 
     def recv(self, src: int, out=None, shape=None, dtype=None):
         """Receive the next message from group rank `src`; returns it (in `out` if given)."""
         self._peer(src, "receive from")
         out, shape, dtype = _expected(out, shape, dtype)
-        got = self._take(src, out, shape, dtype)
+        got = self._take(src, out, shape, dtype, self._channel())
         self._record("recv", src, got.nbytes)
         return got
 
@@ -93,6 +93,13 @@ class Comm:
         """Send to `dst` and receive from `src` (the building block of rings)."""
         self.send(array, dst)
         return self.recv(src, out=out, shape=shape, dtype=dtype)
+
+    def _channel(self) -> int:
+        """-1 for user point-to-point traffic, else the open collective's sequence number in
+        this group: user messages and collective messages never match each other, nor do two
+        different collectives' messages."""
+        call = self.state.current
+        return -1 if call is None else call.seq
 
     # -- collectives' bookkeeping -------------------------------------------------------------
     @contextlib.contextmanager
@@ -216,10 +223,10 @@ class Comm:
         self.allgather_object(None)
 
     # backend hooks
-    def _post(self, array: np.ndarray, dst: int) -> None:
+    def _post(self, array: np.ndarray, dst: int, channel: int) -> None:
         raise NotImplementedError
 
-    def _take(self, src: int, out, shape, dtype) -> np.ndarray:
+    def _take(self, src: int, out, shape, dtype, channel: int) -> np.ndarray:
         raise NotImplementedError
 
     def _check(self, call: Call) -> None:

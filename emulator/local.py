@@ -74,7 +74,7 @@ class VirtualWorld:
 
 
 class VirtualComm(Comm):
-    def _post(self, array: np.ndarray, dst: int) -> None:
+    def _post(self, array: np.ndarray, dst: int, channel: int) -> None:
         w = self.world
         w.raise_if_failed()
         msg = np.array(array, copy=True, order="C")  # the receiver owns a private copy
@@ -83,7 +83,7 @@ class VirtualComm(Comm):
             w.inbox[g].setdefault((self.key, self.state.rank), deque()).append(msg)
             w.cond[g].notify_all()
 
-    def _take(self, src: int, out, shape, dtype) -> np.ndarray:
+    def _take(self, src: int, out, shape, dtype, channel: int) -> np.ndarray:
         w, me, s = self.world, self.state.rank, self.ranks[src]
         box = w.inbox[me]
         deadline = time.monotonic() + w.timeout
