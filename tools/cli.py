@@ -3,6 +3,8 @@
 python -m emulator run -n 16 examples/01_collectives.py [script args]   # 16 virtual ranks
 python -m emulator tour                                                  # every example, verdicts
 python -m emulator bench collectives | model | layouts                   # benchmark tables
+python -m emulator plan memory | collective | bubble [flags]             # planning (planning/)
+python -m emulator dryrun --preset NAME --dp D --zero Z                  # shape-only run
 """
 
 from __future__ import annotations
@@ -58,7 +60,15 @@ def main(argv=None) -> int:
     bench = sub.add_parser("bench", help="print a benchmark table")
     bench.add_argument("what", help=f"one of {sorted(BENCHES)}")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    for name, what in (("plan", "memory | collective | bubble"), ("dryrun", "shape-only run")):
+        p = sub.add_parser(name, help=f"{name} {what} (planning/; --help after it for flags)")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.command in ("plan", "dryrun"):
+        module = importlib.import_module(
+            f"planning.{'cli' if args.command == 'plan' else 'dry_cli'}"
+        )
+        return module.main(args.rest)
     if args.command == "run":
         return _run(args)
     if args.command == "tour":
