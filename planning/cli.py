@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from planning import bubble, collective, explain, memory, presets
+from planning import bubble, collective, exact, explain, memory, presets
 
 
 def _memory(a) -> str:
@@ -31,10 +31,15 @@ def _memory(a) -> str:
     else:
         rows = memory.strategies(p, a.gpus, recompute=a.recompute, **common)
     if a.json:
-        return json.dumps({"preset": vars(p), "gpus": a.gpus, "seq": seq,
-                           "rows": memory.to_json(rows, a.gpu_mem)})  # fmt: skip
+        out = memory.to_json(rows, a.gpu_mem)
+        for j, r in zip(out, rows):
+            e = exact.price(p, r, seq, a.micro_batch)
+            j["model"] = {"params": e.params, "state": e.state, "activ": e.activ}
+        return json.dumps({"preset": vars(p), "gpus": a.gpus, "seq": seq, "rows": out})
     text = memory.format_table(p, rows, gpus=a.gpus, recompute=a.recompute, gpu_gib=a.gpu_mem,
                                suggested=a.suggest, **common)  # fmt: skip
+    if not a.no_model:
+        text += "\n\n" + exact.format_table(p, rows, seq, a.micro_batch, a.gpu_mem)
     return text + ("\n\n" + explain.MEMORY if a.explain else "")
 
 
@@ -87,6 +92,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--suggest", action="store_true", help="rank the layouts that fit")
     m.add_argument("--top", type=int, default=5)
     m.add_argument("--list-presets", action="store_true")
+    m.add_argument("--no-model", action="store_true", help="omit the 'this model' table")
     c = sub.add_parser("collective", help="ring all-reduce cost: crossover, sizes, buckets")
     c.add_argument("--gpus", type=int, default=8)
     c.add_argument("--bw", type=float, default=50.0, help="GB/s one rank drives")

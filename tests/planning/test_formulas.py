@@ -46,3 +46,19 @@ def test_suggest_rows_all_fit_and_are_sorted():
     assert rows and all(r.total <= 80 * memory.GIB for r in rows)
     assert [r.score for r in rows] == sorted(r.score for r in rows)
     assert all(r.dp * r.tp * r.pp == 128 for r in rows)
+
+
+def test_this_model_column_closed_forms():
+    from planning import exact
+
+    p = presets.get("llama2-70b")
+    H, F, L, V, T = p.d_model, p.d_ff, p.layers, p.vocab, p.seq
+    n = L * (4 * H * H + 4 * H + 2 * H * F + F + H + 4 * H) + 2 * V * H + T * H + 2 * H
+    rows = memory.strategies(p, 8, T, 1, "none", 10)
+    e = exact.price(p, rows[0], T, 1)
+    assert e.params == n
+    # DDP, mixed: 4 + 2 (master, compute copy) + 8 (Adam) per real element + 2 per padded
+    # gradient element; 8 divides every bucket here except possibly the last ones
+    assert 16 * n <= e.state < 16 * n + 2 * 8 * 100
+    # activations: L (16 s h + 4 s F + 2 a s^2 + 8 s) at b = 1 in bf16 with fp32 statistics
+    assert e.activ == L * (16 * T * H + 4 * T * F + 2 * p.heads * T * T + 8 * T)
