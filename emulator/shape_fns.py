@@ -24,8 +24,9 @@ def _implements(*funcs):
     return deco
 
 
-def _dtype_of(x):
-    return x.dtype if isinstance(x, np.ndarray) else _ASARRAY(x).dtype
+def _rt(*xs):
+    """np.result_type as the real arrays would give it: Python scalars stay weak (NEP 50)."""
+    return np.result_type(*(_ZEROS(1, x.dtype) if isinstance(x, np.ndarray) else x for x in xs))
 
 
 @_implements(np.shape)
@@ -78,7 +79,7 @@ def _np_concatenate(arrays, axis=0, out=None, dtype=None, casting="same_kind"):
         arrays, axis = [x.reshape(-1) for x in arrays], 0
     shape = list(_shape(arrays[0]))
     shape[axis] = sum(_shape(x)[axis] for x in arrays)
-    return ShapeArray.new(shape, dtype or np.result_type(*map(_dtype_of, arrays)))
+    return ShapeArray.new(shape, dtype or _rt(*arrays))
 
 
 @_implements(np.stack)
@@ -86,7 +87,7 @@ def _np_stack(arrays, axis=0, out=None, dtype=None, casting="same_kind"):
     arrays = list(arrays)
     shape = list(_shape(arrays[0]))
     shape.insert(axis % (len(shape) + 1), len(arrays))
-    return ShapeArray.new(shape, dtype or np.result_type(*map(_dtype_of, arrays)))
+    return ShapeArray.new(shape, dtype or _rt(*arrays))
 
 
 @_implements(np.array_split, np.split)
@@ -109,7 +110,7 @@ def _np_split(a, sections, axis=0):
 def _np_dot(a, b, out=None):
     sa, sb = _shape(a), _shape(b)
     shape = sa[:-1] + sb[:-2] + sb[-1:] if len(sb) >= 2 else sa[:-1]
-    return ShapeArray.new(shape, np.result_type(_dtype_of(a), _dtype_of(b)))
+    return ShapeArray.new(shape, _rt(a, b))
 
 
 @_implements(np.triu, np.tril)
@@ -137,7 +138,7 @@ def _np_where(cond, x=None, y=None):
     if x is None:
         raise NotImplementedError("shape-only arrays: np.where(cond) depends on data")
     shape = np.broadcast_shapes(_shape(cond), _shape(x), _shape(y))
-    return ShapeArray.new(shape, np.result_type(_dtype_of(x), _dtype_of(y)))
+    return ShapeArray.new(shape, _rt(x, y))
 
 
 @_implements(np.copyto)
@@ -212,3 +213,25 @@ def shape_only():
         for n, f in saved.items():
             setattr(np, n, f)
         np.random.default_rng = saved_rng
+
+
+@_implements(np.take)
+def _np_take(a, indices, axis=None, out=None, mode="raise"):
+    if axis is None:
+        return ShapeArray.new(_shape(indices), a.dtype)
+    axis %= a.ndim
+    return ShapeArray.new(a.shape[:axis] + _shape(indices) + a.shape[axis + 1 :], a.dtype)
+
+
+@_implements(np.flatnonzero)
+def _np_flatnonzero(a):
+    """Data: which entries are non-zero. A shape-only array reads as zeros, so none are - the
+    stated assumption (in this code such index sets only steer in-place updates, e.g. the
+    vocabulary-parallel loss's own-target rows; MoE routing, whose sizes they decide, is not
+    dry-run)."""
+    return ShapeArray.new((0,), np.intp)
+
+
+@_implements(np.array_equal)
+def _np_array_equal(a1, a2, equal_nan=False):
+    return _shape(a1) == _shape(a2)  # both read as zeros

@@ -187,10 +187,18 @@ def _is_advanced(k) -> bool:
 
 
 def _advanced_shape(shape, key) -> tuple:
-    """NumPy's rule for integer-array indexing (boolean masks are data: not supported)."""
+    """NumPy's rule for integer-array indexing. A boolean mask is its nonzero() index arrays:
+    exact for a real mask; a shape-only mask reads as zeros, so it selects nothing (length 0)."""
+    expanded = []
     for k in key:
         if _is_advanced(k) and _ASARRAY(k).dtype == bool:
-            raise NotImplementedError("shape-only arrays: a boolean mask index depends on data")
+            if isinstance(k, ShapeArray):
+                expanded += [_ZEROS(0, np.intp)] * max(k.ndim, 1)
+            else:
+                expanded += list(_ASARRAY(k).nonzero())
+        else:
+            expanded.append(k)
+    key = tuple(expanded)
     dots = [i for i, k in enumerate(key) if k is Ellipsis]
     if dots:
         i = dots[0]
