@@ -182,12 +182,12 @@ def _full(shape, fill_value, dtype=None, *args, **kw):
     return ShapeArray.new(shape, dtype if dtype is not None else _ASARRAY(fill_value).dtype)
 
 
-def _converter(original):
+def _converter(original, name: str):
     def convert(a, dtype=None, *args, **kw):
         if isinstance(a, ShapeArray):
-            if original is np.ascontiguousarray and not a.logically_contiguous:
+            if name == "ascontiguousarray" and not a.logically_contiguous:
                 return ShapeArray.new(a.shape, dtype or a.dtype)
-            copy = kw.get("copy", original is np.array)
+            copy = kw.get("copy", name == "array")
             if copy or (dtype is not None and np.dtype(dtype) != a.dtype):
                 return a.astype(dtype or a.dtype)
             return a
@@ -206,7 +206,7 @@ def shape_only():
         np.zeros = np.empty = np.ones = _creator(np.float64)
         np.full = _full
         for n in ("asarray", "array", "ascontiguousarray", "asanyarray"):
-            setattr(np, n, _converter(saved[n]))
+            setattr(np, n, _converter(saved[n], n))
         np.random.default_rng = ShapeRNG
         yield
     finally:

@@ -71,7 +71,15 @@ class ShapeArray(np.ndarray):
 
     @property
     def logically_contiguous(self) -> bool:
-        return self.size <= 1 or self._strides() == c_strides(self.shape, self.itemsize)
+        """NumPy's C-contiguity rule on the logical strides (axes of length 1 do not count)."""
+        if self.size <= 1:
+            return True
+        want = self.itemsize
+        for n, st in zip(reversed(self.shape), reversed(self._strides())):
+            if n != 1 and st != want:
+                return False
+            want *= n
+        return True
 
     # -- views and copies ---------------------------------------------------------------------
     def __getitem__(self, idx):

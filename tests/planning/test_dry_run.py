@@ -1,0 +1,77 @@
+"""A dry run records exactly what a real run records: for every rank of every supported layout,
+the bytes per (tag, op, algorithm, direction, peer, group) and the memory ledger's current and
+peak bytes per category equal those of the same layout run for real on virtual ranks."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from emulator.config import ModelConfig
+from emulator.dry import DryComm
+from planning.dryrun import Layout, dry_layout, real_layout, representatives
+
+
+def cfg_of(dtype="mixed", L=3, H=12, A=3, V=30, T=8):
+    return ModelConfig(vocab_size=V, max_seq_len=T, d_model=H, n_heads=A, n_layers=L, dtype=dtype)
+
+
+def assert_equal_everywhere(cfg, lay, B, S):
+    real = real_layout(cfg, lay, B, S)
+    dry = dry_layout(cfg, lay, B, S, ranks=range(lay.size))
+    for r in range(lay.size):
+        got = dry[r]["figures"]
+        assert got["bytes"] == real[r]["bytes"], f"rank {r} bytes"
+        assert got["memory"] == real[r]["memory"], f"rank {r} memory"
+        assert sum(got["bytes"].values()) > 0 or lay.size == 1
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    D=st.integers(1, 4),
+    zero=st.integers(0, 3),
+    k=st.integers(1, 2),
+    rc=st.sampled_from(["none", "selective", "full"]),
+    dtype=st.sampled_from(["float64", "float32", "mixed"]),
+    prefetch=st.booleans(),
+    reshard=st.booleans(),
+)
+def test_data_parallel_dry_equals_real(D, zero, k, rc, dtype, prefetch, reshard):
+    lay = Layout(dp=D, zero=zero, microbatches=k, recompute=rc, prefetch=prefetch,
+                 reshard=reshard)  # fmt: skip
+    assert_equal_everywhere(cfg_of(dtype), lay, B=2 * D * k, S=7)
+
+
+@pytest.mark.parametrize(
+    "lay",
+    [
+        Layout(tp=2),
+        Layout(tp=4, sp=True, recompute="selective"),
+        Layout(dp=2, tp=2, sp=True, zero=1),
+        Layout(pp=2, microbatches=4, schedule="gpipe"),
+        Layout(pp=3, microbatches=3, schedule="1f1b", recompute="full"),
+        Layout(dp=2, pp=2, microbatches=2, schedule="1f1b", zero=1),
+        Layout(pp=2, microbatches=4, schedule="interleaved", chunks=2),
+        Layout(pp=2, microbatches=4, schedule="zb-h1"),
+    ],
+    ids=str,
+)
+def test_tensor_and_pipeline_dry_equals_real(lay):
+    cfg = cfg_of("mixed", L=4, H=16, A=4, V=32)
+    B = lay.dp * lay.microbatches * 2
+    assert_equal_everywhere(cfg, lay, B=B, S=8)
+
+
+def test_representatives_name_their_roles():
+    reps = representatives(Layout(dp=4, pp=8, microbatches=8))
+    assert sorted(reps) == [0, 1, 7, 24] and "stages 1..6" in reps[1]
+    assert representatives(Layout(dp=8, zero=3)) == {0: "dp rank 0", 7: reps[24].replace(
+        "dp rank 3 (and dp ranks 1..2", "dp rank 7 (and dp ranks 1..6")}  # fmt: skip
+
+
+def test_bad_layouts_and_comm_errors():
+    with pytest.raises(ValueError, match="tp x pp"):
+        Layout(tp=2, pp=2).check()
+    with pytest.raises(ValueError, match="rank 4 is not in 0..3"):
+        DryComm(4, 4)
+    with pytest.raises(ValueError, match="shape= and dtype="):
+        DryComm(2, 0).recv(1)
