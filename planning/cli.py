@@ -39,7 +39,7 @@ def _memory(a) -> str:
     text = memory.format_table(p, rows, gpus=a.gpus, recompute=a.recompute, gpu_gib=a.gpu_mem,
                                suggested=a.suggest, **common)  # fmt: skip
     if not a.no_model:
-        text += "\n\n" + exact.format_table(p, rows, seq, a.micro_batch, a.gpu_mem)
+        text += "\n\n" + exact.format_table(p, rows, seq, a.micro_batch, a.gpu_mem, a.dry_run)
     return text + ("\n\n" + explain.MEMORY if a.explain else "")
 
 
@@ -93,6 +93,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--top", type=int, default=5)
     m.add_argument("--list-presets", action="store_true")
     m.add_argument("--no-model", action="store_true", help="omit the 'this model' table")
+    m.add_argument("--dry-run", action="store_true", help="add columns measured by dry runs")
     c = sub.add_parser("collective", help="ring all-reduce cost: crossover, sizes, buckets")
     c.add_argument("--gpus", type=int, default=8)
     c.add_argument("--bw", type=float, default=50.0, help="GB/s one rank drives")

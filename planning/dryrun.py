@@ -106,7 +106,8 @@ def representatives(lay: Layout) -> dict:
         reps = {0: "dp 0, tp 0" if lay.tp > 1 else "dp rank 0"}
     if lay.dp > 1:
         inner = lay.pp * lay.tp
-        reps[(lay.dp - 1) * inner] = f"dp rank {lay.dp - 1} (and dp ranks 1..{lay.dp - 2} like it)"
+        like = f" (and dp ranks 1..{lay.dp - 2} like it)" if lay.dp > 2 else ""
+        reps[(lay.dp - 1) * inner] = f"dp rank {lay.dp - 1}{like}"
     return reps
 
 

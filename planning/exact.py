@@ -92,29 +92,64 @@ def price(preset, row, seq: int, b: int) -> Exact:
     return Exact(n_params(cfg), max(states), activation_bytes(cfg, b, seq, row.tp, row.recompute))
 
 
-def format_table(preset, rows, seq: int, b: int, gpu_gib: float) -> str:
+def dry_figures(preset, row, seq: int, b: int):
+    """(state or None, activations, seconds) measured by dry-running the row's layout: the worst
+    representative rank's peaks. State only where the driver ledgers it (dp-only layouts; the
+    tp / pp drivers' memory ledgers hold activations and dp gradient buckets only)."""
+    import time
+
+    from planning.dryrun import Layout, dry_layout
+
+    m = max(1, row.pp)
+    lay = Layout(dp=row.dp, tp=row.tp, pp=row.pp, zero=row.zero, microbatches=m,
+                 sp=row.tp > 1, recompute=row.recompute)  # fmt: skip
+    try:
+        lay.check()
+    except ValueError:
+        return None
+    t0 = time.perf_counter()
+    runs = dry_layout(preset.model_config(seq), lay, row.dp * b * m, seq).values()
+    peaks = [v["figures"]["memory"]["peak"] for v in runs]
+    state = max(sum(pk[c] for c in ("params", "grads", "optimizer")) for pk in peaks)
+    act = max(pk["activations"] for pk in peaks)
+    return (state if row.tp == row.pp == 1 else None), act, time.perf_counter() - t0
+
+
+def format_table(preset, rows, seq: int, b: int, gpu_gib: float, dry: bool = False) -> str:
     from planning.memory import GIB
 
     cfg = preset.model_config(seq)
     ex = [price(preset, r, seq, b) for r in rows]
+    drys = [dry_figures(preset, r, seq, b) if dry else None for r in rows]
+    head = f"{'strategy':<32}{'state':>9}{'model':>9}{'activ':>9}{'model':>9}{'total':>9}  fits?"
+    if dry:
+        head += f"{'dry st':>9}{'dry act':>9}{'secs':>6}"
     lines = [
         (
             f"this model: the spec's GPT block at {preset.name}'s shape, {ex[0].params / 1e9:.2f}B "
             f"params (published {preset.params / 1e9:.1f}B), mixed precision, exact"
         ),
         "",
-        f"{'strategy':<32}{'state':>9}{'model':>9}{'activ':>9}{'model':>9}{'total':>9}  fits?",
-        "-" * 84,
+        head,
+        "-" * len(head),
     ]
-    for r, e in zip(rows, ex):
+    for r, e, d in zip(rows, ex, drys):
         total = e.state + e.activ + r.reserve
-        lines.append(
-            f"{r.name:<32}{r.state / GIB:9.1f}{e.state / GIB:9.1f}{r.activ / GIB:9.1f}"
-            f"{e.activ / GIB:9.1f}{total / GIB:9.1f}  {'YES' if total <= gpu_gib * GIB else 'NO'}"
-        )
-    lines.append("-" * 84)
+        line = (f"{r.name:<32}{r.state / GIB:9.1f}{e.state / GIB:9.1f}{r.activ / GIB:9.1f}"
+                f"{e.activ / GIB:9.1f}{total / GIB:9.1f}  {'YES' if total <= gpu_gib * GIB else 'NO':<5}")  # fmt: skip
+        if dry and d is None:
+            line += f"{'n/a':>9}{'n/a':>9}"
+        elif dry:
+            st = "-" if d[0] is None else f"{d[0] / GIB:.1f}"
+            line += f"{st:>9}{d[1] / GIB:9.1f}{d[2]:6.1f}"
+        lines.append(line.rstrip())
+    lines.append("-" * len(head))
     lines.append(f"per block: {activation_bytes_per_block(cfg, b, seq) / GIB:.3f} GiB this model "
                  f"vs {seq * b * cfg.d_model * (34 + 5 * cfg.n_heads * seq / cfg.d_model) / GIB:.3f}"
                  " GiB Korthikanti (recompute none, tp 1)")  # fmt: skip
+    if dry:
+        lines.append("dry st / dry act: the memory ledger's peaks from running the layout on "
+                     "shape-only arrays (worst representative rank); '-': that driver does not "
+                     "ledger its state")  # fmt: skip
     lines += [f"why: {w}" for w in WHY]
     return "\n".join(lines)

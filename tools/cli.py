@@ -63,12 +63,11 @@ def main(argv=None) -> int:
     for name, what in (("plan", "memory | collective | bubble"), ("dryrun", "shape-only run")):
         p = sub.add_parser(name, help=f"{name} {what} (planning/; --help after it for flags)")
         p.add_argument("rest", nargs=argparse.REMAINDER)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("plan", "dryrun"):  # their flags are planning/'s, parsed there
+        module = importlib.import_module(f"planning.{'cli' if argv[0] == 'plan' else 'dry_cli'}")
+        return module.main(argv[1:])
     args = parser.parse_args(argv)
-    if args.command in ("plan", "dryrun"):
-        module = importlib.import_module(
-            f"planning.{'cli' if args.command == 'plan' else 'dry_cli'}"
-        )
-        return module.main(args.rest)
     if args.command == "run":
         return _run(args)
     if args.command == "tour":
