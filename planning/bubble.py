@@ -74,3 +74,35 @@ def format_report(r: dict, with_sweep=False) -> str:
         lines += ["-" * 71, (f"pipeline efficiency %, analytic model with v={v} "
                   "(balanced stages, free P2P)")]  # fmt: skip
     return "\n".join(lines)
+
+
+def replayed(S: int, M: int, v: int = 1) -> list[dict]:
+    """The twin measured by this project's pipeline code: each schedule built for (S, M, v)
+    (parallel/pipeline/schedules.py) and replayed under unit costs (parallel/pipeline/bubble.py,
+    exact fractions): the worst stage's bubble and stage 0's micro-batches in flight."""
+    from parallel.pipeline.bubble import in_flight, measured_bubble
+    from parallel.pipeline.schedules import make_schedule
+
+    rows = []
+    for name in ("gpipe", "1f1b", "interleaved", "zb-h1"):
+        if (name == "interleaved") != (v > 1):
+            continue
+        try:
+            sched = make_schedule(name, S, M, v if name == "interleaved" else 1)
+        except ValueError as exc:
+            rows.append({"schedule": name, "error": str(exc)})
+            continue
+        rows.append({"schedule": name, "bubble": float(max(measured_bubble(sched))),
+                     "in_flight_stage0": in_flight(sched)[0]})  # fmt: skip
+    return rows
+
+
+def format_replayed(S: int, M: int, v: int = 1) -> str:
+    lines = [f"replayed by this project's schedules (S={S}, M={M}, v={v}; unit costs F = B = W):"]
+    for r in replayed(S, M, v):
+        if "error" in r:
+            lines.append(f"  {r['schedule']:<12} not built: {r['error']}")
+        else:
+            lines.append(f"  {r['schedule']:<12} bubble {100 * r['bubble']:5.1f}%   stage 0 holds "
+                         f"{r['in_flight_stage0']} micro-batch unit(s)")  # fmt: skip
+    return "\n".join(lines)

@@ -63,7 +63,10 @@ def _collective(a) -> str:
         if layer:
             out["layer"] = collective.layer_ratio(P=a.gpus, alpha=al, B=B, **layer)
         return json.dumps(out)
-    return collective.format_report(a.gpus, a.bw, a.latency, **kw)
+    text = collective.format_report(a.gpus, a.bw, a.latency, **kw)
+    if a.dry_run:
+        text += "\n\n" + collective.format_dry(a.gpus)
+    return text
 
 
 def _bubble(a) -> str:
@@ -72,7 +75,8 @@ def _bubble(a) -> str:
     r = bubble.report(a.stages, a.micro_batches, a.chunks, a.target_efficiency, a.stage_ms)
     if a.json:
         return json.dumps(r | ({"sweep": bubble.sweep(a.chunks)} if a.sweep else {}))
-    return bubble.format_report(r, with_sweep=a.sweep)
+    text = bubble.format_report(r, with_sweep=a.sweep)
+    return text + "\n\n" + bubble.format_replayed(a.stages, a.micro_batches, a.chunks)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -108,6 +112,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--micro-batch", type=int, default=1)
     c.add_argument("--grad-accum", type=int, default=1)
     c.add_argument("--tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU")
+    c.add_argument("--dry-run", action="store_true", help="measure rank 0's ring bytes")
     b = sub.add_parser("bubble", help="pipeline bubble, micro-batches needed, S x M sweep")
     b.add_argument("--stages", type=int, default=8)
     b.add_argument("--micro-batches", type=int, default=8)

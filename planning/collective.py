@@ -125,3 +125,30 @@ def format_report(P, bw, lat_us, *, nbytes=None, params=None, step_ms=None, grad
                 f"  comm/compute ratio  {r['ratio']:.3f}  -> "
                 + ("hideable behind backward" if r["hideable"] else "EXPOSED")]  # fmt: skip
     return "\n".join(out)
+
+
+def dry_bytes(P: int, nbytes: int, rank: int = 0) -> int:
+    """Bytes rank `rank` sends in this project's ring all-reduce of `nbytes` (as float32) over P
+    ranks, measured by running collectives.all_reduce alone on shape-only arrays."""
+    import collectives
+    from emulator.dry import dry_run
+    from emulator.shapes import ShapeArray
+
+    def body(comm):
+        collectives.all_reduce(comm, ShapeArray.new((nbytes // 4,), "float32"), algorithm="ring")
+        return comm.ledger.sent(op="all_reduce")
+
+    return dry_run(body, P, rank)[0]
+
+
+def format_dry(P: int) -> str:
+    from collectives import cost
+
+    lines = [f"dry run: collectives.all_reduce (ring) on rank 0 of {P}, shape-only float32",
+             f"{'size MiB':>10}{'sent bytes':>16}{'2(P-1)/P S':>16}  equal"]  # fmt: skip
+    for mib in SIZES_MIB:
+        S = int(mib * MIB)
+        got, want = dry_bytes(P, S), cost.ring_all_reduce(S // 4, P, 4, 0)[0]
+        lines.append(f"{mib:>10.2f}{got:>16,}{2 * (P - 1) * S / P:>16,.0f}  "
+                     f"{'yes' if got == want else 'NO'}")  # fmt: skip
+    return "\n".join(lines)

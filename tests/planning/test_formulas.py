@@ -62,3 +62,17 @@ def test_this_model_column_closed_forms():
     assert 16 * n <= e.state < 16 * n + 2 * 8 * 100
     # activations: L (16 s h + 4 s F + 2 a s^2 + 8 s) at b = 1 in bf16 with fp32 statistics
     assert e.activ == L * (16 * T * H + 4 * T * F + 2 * p.heads * T * T + 8 * T)
+
+
+@given(st.integers(2, 8), st.integers(1, 12))
+def test_replayed_schedules_equal_the_bubble_formula(S, M):
+    rows = {r["schedule"]: r for r in bubble.replayed(S, M)}
+    for name in ("gpipe", "1f1b"):
+        assert abs(rows[name]["bubble"] - (1 - bubble.efficiency(S, M))) < 1e-15
+    assert rows["1f1b"]["in_flight_stage0"] == min(S, M)
+
+
+@given(st.sampled_from([2, 3, 8, 16]), st.integers(1, 64))
+def test_dry_ring_bytes_equal_the_formula(P, kib):
+    S = kib * 1024 * P  # divisible: exactly 2 (P-1)/P S
+    assert collective.dry_bytes(P, S) == 2 * (P - 1) * S // P
