@@ -73,7 +73,7 @@ def main(argv=None) -> int:
                      sp=a.sequence_parallel, recompute=a.recompute)  # fmt: skip
         lay.check()
         row = memory.plan(p, lay.size, a.dp, a.tp, a.pp, a.zero, a.recompute, seq, a.micro_batch,
-                          0.0)  # fmt: skip
+                          0.0, even_pp=False)  # fmt: skip
         ranks = None if a.ranks is None else [int(r) for r in a.ranks.split(",")]
         t0 = time.perf_counter()
         runs = dry_layout(p.model_config(seq), lay, a.dp * a.micro_batch * m, seq, ranks)

@@ -70,12 +70,16 @@ def state_bytes(cfg, shapes: dict, dp: int, zero: int, b: int, S: int) -> int:
     return peak["params"] + peak["grads"] + static["optimizer"]
 
 
-def activation_bytes(cfg, b: int, S: int, tp: int, recompute: str) -> int:
+def activation_bytes(cfg, b: int, S: int, tp: int, recompute: str, pp: int = 1) -> int:
+    """L blocks' caches; with pp stages under 1F1B (m = pp micro-batches) the worst stage s
+    holds min(pp - s, m) micro-batches of its blocks (uneven splits: 126 layers on 16 stages
+    are 8 x 14 + 7 x 2, so stage 0 holds 16 x 8 = 128 block caches, not 126)."""
+    n = max(len(blk) * (pp - s) for s, blk in enumerate(split_layers(cfg.n_layers, pp)))
     if tp == 1:
-        return cfg.n_layers * activation_bytes_per_block(cfg, b, S, recompute)
+        return n * activation_bytes_per_block(cfg, b, S, recompute)
     if recompute == "full":
-        return cfg.n_layers * 2 * b * S * cfg.d_model // tp
-    return cfg.n_layers * block_activation_bytes(cfg, b, S, tp, sp=True, recompute=recompute)
+        return n * 2 * b * S * cfg.d_model // tp
+    return n * block_activation_bytes(cfg, b, S, tp, sp=True, recompute=recompute)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +93,9 @@ def price(preset, row, seq: int, b: int) -> Exact:
     cfg = preset.model_config(seq)
     states = [state_bytes(cfg, rank_shapes(cfg, row.tp, row.pp, s), row.dp, row.zero, b, seq)
               for s in {0, row.pp - 1}]  # fmt: skip
-    return Exact(n_params(cfg), max(states), activation_bytes(cfg, b, seq, row.tp, row.recompute))
+    return Exact(
+        n_params(cfg), max(states), activation_bytes(cfg, b, seq, row.tp, row.recompute, row.pp)
+    )
 
 
 def dry_figures(preset, row, seq: int, b: int):

@@ -68,7 +68,7 @@ def activation_bytes(L: int, h: int, a: int, s: int, b: int, tp: int, recompute:
     return L * s * b * h * per / tp
 
 
-def check_layout(preset, gpus: int, dp: int, tp: int, pp: int) -> None:
+def check_layout(preset, gpus: int, dp: int, tp: int, pp: int, even_pp: bool = True) -> None:
     """A layout must use every GPU and divide the model; the error names the degree."""
     for name, d in (("tp", tp), ("pp", pp), ("dp", dp)):
         if d < 1:
@@ -78,15 +78,17 @@ def check_layout(preset, gpus: int, dp: int, tp: int, pp: int) -> None:
             f"tp={tp} does not divide {preset.name}'s {preset.heads} heads / "
             f"{preset.kv_heads} kv heads / d_ff {preset.d_ff}"
         )
-    if preset.layers % pp:
+    if preset.layers % pp if even_pp else pp > preset.layers:
         raise ValueError(f"pp={pp} does not divide {preset.name}'s {preset.layers} layers")
     if gpus % (tp * pp) or dp * tp * pp != gpus:
         raise ValueError(f"dp x tp x pp = {dp} x {tp} x {pp} != {gpus} GPUs "
                          f"(tp x pp = {tp * pp} must divide the GPU count)")  # fmt: skip
 
 
-def plan(preset, gpus, dp, tp, pp, zero, recompute, seq, b, reserve_gib, name=None) -> Plan:
-    check_layout(preset, gpus, dp, tp, pp)
+def plan(
+    preset, gpus, dp, tp, pp, zero, recompute, seq, b, reserve_gib, name=None, even_pp=True
+) -> Plan:
+    check_layout(preset, gpus, dp, tp, pp, even_pp)
     state = state_bytes(preset.params, preset.layers, dp, tp, pp, zero)
     act = activation_bytes(preset.layers, preset.d_model, preset.heads, seq, b, tp, recompute)
     name = name or f"tp={tp} pp={pp} z{zero} rc={recompute}"
