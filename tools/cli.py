@@ -20,6 +20,7 @@ BENCHES = {
     "collectives": "benchmarks.collectives",
     "model": "benchmarks.model",
     "layouts": "benchmarks.layouts",
+    "dryrun": "benchmarks.dryrun",
 }
 
 
