@@ -2,7 +2,7 @@
 
 Runs the layout's real training code, one step, on shape-only arrays, one representative rank
 per role (planning/dryrun.py), and prints per rank the memory ledger's peak bytes per category
-beside the seed's analytic state / activations (planning/memory.py) and this model's exact
+beside the course's analytic state / activations (planning/memory.py) and this model's exact
 formulas (planning/exact.py), the bytes it sent per ledger tag, and the time it took.
 """
 
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         peak = v["figures"]["memory"]["peak"]
         state = sum(peak[c] for c in STATE)
         print(f"\nrank {r}: {v['role']} ({v['seconds']:.2f} s)")
-        print(f"  {'GiB per GPU':<14}{'dry run':>10}{'this model':>12}{'seed':>10}")
+        print(f"  {'GiB per GPU':<14}{'dry run':>10}{'this model':>12}{'course':>10}")
         for c in STATE:
             print(f"  {c:<14}{peak[c] / GIB:10.2f}")
         print(f"  {'state':<14}{state / GIB:10.2f}{ex.state / GIB:12.2f}{row.state / GIB:10.2f}")
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         for k in sorted(sent, key=sent.get, reverse=True)[:8]:
             print(f"    {k:<28}{sent[k]:>20,}")
     print("\npeaks per category are each category's own maximum over the step; 'this model' "
-          "prices the worst stage, 'seed' the course's formulas at the published count")  # fmt: skip
+          "prices the worst stage, 'course' the course's formulas at the published count")  # fmt: skip
     return 0
 
 

@@ -15,7 +15,7 @@ worst rank (pipeline stage 0 or the last stage, tensor rank 0):
               parallel.tensor.cost.block_activation_bytes (tp > 1, sequence parallel); full
               recompute with tp > 1 keeps the block input sharded on the sequence: 2 B S H / t.
               Times L: 1F1B's stage 0 holds min(pp, m) = pp micro-batches of L / pp blocks.
-Why the columns differ from the seed's (which prices Psi = the quoted count with Korthikanti's
+Why the columns differ from the course's (which prices Psi = the quoted count with Korthikanti's
 34 + 5 a s / h): see WHY.
 """
 

@@ -1,4 +1,4 @@
-"""The memory planner: resident bytes per GPU of a layout, by the formulas the seed course uses.
+"""The memory planner: resident bytes per GPU of a layout, by the formulas a training course uses.
 
 Letters: Psi the preset's quoted parameter count, L layers, h d_model, a heads, s sequence,
 b micro-batch, dp / tp / pp the degrees, z the ZeRO stage. Every figure is per GPU.
@@ -8,9 +8,9 @@ the Psi_r = Psi / (tp pp) parameters one model-parallel rank owns:
   z0  16 Psi_r      z1  4 Psi_r + 12 Psi_r/dp      z2  2 Psi_r + 14 Psi_r/dp
   z3  16 Psi_r/dp + 4 Psi/(tp L)   <- one layer's unsharded bf16 parameters and bf16 gradients
       (the gathered unit in flight; equivalently the current plus the prefetched layer's
-      parameters). The seed's 133.6 GiB for 70B on 8 GPUs is exactly 16 Psi/8 + 4 Psi/80.
+      parameters). The course's 133.6 GiB for 70B on 8 GPUs is exactly 16 Psi/8 + 4 Psi/80.
 activations per layer (Korthikanti et al., arXiv:2205.05198, eqs. 1-2 and section 5), with
-sequence parallelism whenever tp > 1 (the seed: "always enable it with TP"):
+sequence parallelism whenever tp > 1 (the course: "always enable it with TP"):
   none  s b h (34 + 5 a s / h) / tp     selective  34 s b h / tp     full  2 s b h / tp
   times L layers: under 1F1B the first stage holds pp in-flight micro-batches of L/pp layers
   each, so pp cancels (eq. 5 has no p in it).
@@ -134,7 +134,7 @@ def candidates(preset, gpus, seq, b, reserve_gib) -> list[Plan]:
 def suggest(preset, gpus, seq, b, reserve_gib, gpu_gib, top) -> list[Plan]:
     """The fitting plans with the lowest scores: sorted by score (stable, so ties keep the
     candidates' order), the first `top` taken, then a plan whose state and activations equal an
-    earlier listed plan's dropped - it adds an axis that changes nothing (the seed prints five
+    earlier listed plan's dropped - it adds an axis that changes nothing (the course prints five
     rows for --top 6 on 70B / 64 GPUs; the sixth, tp=1 pp=2 z3 selective, repeats row one)."""
     fits = [p for p in candidates(preset, gpus, seq, b, reserve_gib) if p.total <= gpu_gib * GIB]
     if not fits:

@@ -1,4 +1,4 @@
-"""The three planners print the seed course's published tables digit for digit.
+"""The three planners print a distributed-training course's published tables digit for digit.
 
 tests/planning/data/*.txt are those tables as published (the course's Labs 1-4 and its worked
 examples); each command's output must contain the table's lines, contiguous and in order.
