@@ -10,8 +10,8 @@ ZeRO-1 over dp, optional sequence parallelism), dp x pp (parallel.pipeline.train
 dp_mode none / ddp / zero1). tp x pp together waits for the N-D driver (parallel.train).
 
 Rank symmetry: ranks with the same role run the same code on the same shapes, so one rank stands
-for its role: per pipeline stage 0, 1 and p-1 (the middle stages are alike), at dp = tp = 0, and
-the last dp rank (whose ring chunks of odd-sized scalars can differ by a few bytes).
+for its role: one per pipeline stage (their in-flight activations differ), at dp = tp = 0
+(`representative`; tests/planning/test_dry_run.py checks the claim on every rank).
 """
 
 from __future__ import annotations
@@ -96,19 +96,30 @@ def figures(comm) -> dict:
     return {"bytes": by, "memory": comm.memory.snapshot()}
 
 
+def representative(lay: Layout, rank: int) -> int:
+    """The rank whose dry run stands for world rank ``rank``: the same pipeline stage at
+    dp = tp = 0 (mesh order dp, then tp or pp). Ranks of one stage hold the same memory and send
+    the same bytes per tag, direction and group, except the one-element all-reduce of the
+    clipping norm (tag dp/clip), whose ring chunks fall unevenly: 8 or 16 bytes by rank."""
+    return rank % lay.pp if lay.pp > 1 else 0
+
+
 def representatives(lay: Layout) -> dict:
-    """{world rank: what it stands for}; mesh order dp, tp|pp (the last axis fastest)."""
-    if lay.pp > 1:
-        stages = sorted({0, min(1, lay.pp - 1), lay.pp - 1})
-        reps = {s: f"stage {s}" + (f" (stands for stages 1..{lay.pp - 2})" if 0 < s < lay.pp - 1
-                                   and lay.pp > 3 else "") for s in stages}  # fmt: skip
-    else:
-        reps = {0: "dp 0, tp 0" if lay.tp > 1 else "dp rank 0"}
-    if lay.dp > 1:
-        inner = lay.pp * lay.tp
-        like = f" (and dp ranks 1..{lay.dp - 2} like it)" if lay.dp > 2 else ""
-        reps[(lay.dp - 1) * inner] = f"dp rank {lay.dp - 1}{like}"
-    return reps
+    """{world rank: what it stands for}."""
+    if lay.pp == 1:
+        what = f"all {lay.size} ranks" if lay.size > 1 else "the only rank"
+        return {0: f"rank 0, for {what}"}
+    return {s: f"stage {s}, for its {lay.dp * lay.tp} rank(s)" for s in range(lay.pp)}
+
+
+def role_figures(fig: dict) -> tuple:
+    """What ranks of one role share: bytes per (tag, op, direction, group) without dp/clip, and
+    the memory snapshot."""
+    by: dict = {}
+    for (tag, op, _alg, direction, _peer, group), n in fig["bytes"].items():
+        if not tag.startswith("dp/clip"):
+            by[(tag, op, direction, group)] = by.get((tag, op, direction, group), 0) + n
+    return by, fig["memory"]
 
 
 def dry_layout(cfg, lay: Layout, B: int, S: int, ranks=None) -> dict:

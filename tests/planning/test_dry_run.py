@@ -8,7 +8,14 @@ from hypothesis import strategies as st
 
 from emulator.config import ModelConfig
 from emulator.dry import DryComm
-from planning.dryrun import Layout, dry_layout, real_layout, representatives
+from planning.dryrun import (
+    Layout,
+    dry_layout,
+    real_layout,
+    representative,
+    representatives,
+    role_figures,
+)
 
 
 def cfg_of(dtype="mixed", L=3, H=12, A=3, V=30, T=8):
@@ -61,11 +68,22 @@ def test_tensor_and_pipeline_dry_equals_real(lay):
     assert_equal_everywhere(cfg, lay, B=B, S=8)
 
 
-def test_representatives_name_their_roles():
-    reps = representatives(Layout(dp=4, pp=8, microbatches=8))
-    assert sorted(reps) == [0, 1, 7, 24] and "stages 1..6" in reps[1]
-    assert representatives(Layout(dp=8, zero=3)) == {0: "dp rank 0", 7: reps[24].replace(
-        "dp rank 3 (and dp ranks 1..2", "dp rank 7 (and dp ranks 1..6")}  # fmt: skip
+@pytest.mark.parametrize(
+    "lay, B",
+    [
+        (Layout(dp=5, zero=3, microbatches=2), 20),
+        (Layout(dp=3, tp=2, sp=True), 6),
+        (Layout(dp=2, pp=4, microbatches=4), 16),
+        (Layout(dp=4, zero=1), 8),
+    ],
+    ids=str,
+)
+def test_each_rank_is_its_representatives_twin(lay, B):
+    real = real_layout(cfg_of("mixed", L=4, H=16, A=4, V=32), lay, B, 8)
+    for r, fig in enumerate(real):
+        rep = representative(lay, r)
+        assert rep in representatives(lay)
+        assert role_figures(fig) == role_figures(real[rep]), f"rank {r} vs {rep}"
 
 
 def test_bad_layouts_and_comm_errors():
