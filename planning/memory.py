@@ -78,8 +78,10 @@ def check_layout(preset, gpus: int, dp: int, tp: int, pp: int, even_pp: bool = T
             f"tp={tp} does not divide {preset.name}'s {preset.heads} heads / "
             f"{preset.kv_heads} kv heads / d_ff {preset.d_ff}"
         )
-    if preset.layers % pp if even_pp else pp > preset.layers:
+    if even_pp and preset.layers % pp:
         raise ValueError(f"pp={pp} does not divide {preset.name}'s {preset.layers} layers")
+    if pp > preset.layers:
+        raise ValueError(f"pp={pp} is more stages than {preset.name}'s {preset.layers} layers")
     if gpus % (tp * pp) or dp * tp * pp != gpus:
         raise ValueError(f"dp x tp x pp = {dp} x {tp} x {pp} != {gpus} GPUs "
                          f"(tp x pp = {tp * pp} must divide the GPU count)")  # fmt: skip

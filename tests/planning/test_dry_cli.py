@@ -1,0 +1,48 @@
+"""`python -m emulator dryrun`: a small real-size run end to end, and one-line errors."""
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from planning import dry_cli
+
+
+def run(argv: str):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = dry_cli.main(argv.split())
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_zero3_bytes_equal_the_formula_and_memory_equals_this_model():
+    rc, out, _ = run("--preset llama2-7b --dp 4 --zero 3 --seq 64")
+    assert rc == 0 and ": equal" in out and "DIFFERENT" not in out
+    state = next(line for line in out.split("\n") if line.strip().startswith("state"))
+    dry, model = state.split()[1:3]
+    assert dry == model  # the ledger's peaks equal parallel/data/cost.py's, to 0.01 GiB
+
+
+def test_json_has_every_representative():
+    rc, out, _ = run("--preset llama2-7b --dp 2 --pp 4 --seq 32 --json")
+    ranks = json.loads(out)["ranks"]
+    assert rc == 0 and sorted(ranks) == ["0", "1", "2", "3"]
+    assert all(r["memory"]["peak"]["activations"] > 0 for r in ranks.values())
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        ("--preset gpt4", ["unknown preset 'gpt4'", "llama3-405b"]),
+        ("--preset llama2-7b --tp 2 --pp 2", ["tp x pp", "parallel.train"]),
+        ("--preset llama2-7b --pp 64", ["pp=64 is more stages", "32 layers"]),
+        ("--preset llama2-7b --tp 3", ["tp=3", "32 heads"]),
+        ("--preset llama2-7b --tp 2 --zero 3", ["zero=3 with tp or pp"]),
+    ],
+)
+def test_bad_input_is_one_line(argv, words):
+    rc, out, err = run(argv)
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    for w in words:
+        assert w in err, err
