@@ -22,6 +22,7 @@ def _memory(a) -> str:
     p = presets.get(a.preset or "llama2-70b")
     seq = a.seq or p.seq
     common = {"seq": seq, "b": a.micro_batch, "reserve_gib": a.reserve}
+    notes: list = []
     if a.suggest:
         rows = memory.suggest(p, a.gpus, gpu_gib=a.gpu_mem, top=a.top, **common)
     elif a.tp or a.pp or a.zero is not None:
@@ -29,7 +30,7 @@ def _memory(a) -> str:
         dp = max(1, a.gpus // (tp * pp))
         rows = [memory.plan(p, a.gpus, dp, tp, pp, a.zero or 0, a.recompute, **common)]
     else:
-        rows = memory.strategies(p, a.gpus, recompute=a.recompute, **common)
+        rows = memory.strategies(p, a.gpus, recompute=a.recompute, skipped=notes, **common)
     if a.json:
         out = memory.to_json(rows, a.gpu_mem)
         for j, r in zip(out, rows):
@@ -37,7 +38,7 @@ def _memory(a) -> str:
             j["model"] = {"params": e.params, "state": e.state, "activ": e.activ}
         return json.dumps({"preset": vars(p), "gpus": a.gpus, "seq": seq, "rows": out})
     text = memory.format_table(p, rows, gpus=a.gpus, recompute=a.recompute, gpu_gib=a.gpu_mem,
-                               suggested=a.suggest, **common)  # fmt: skip
+                               suggested=a.suggest, notes=notes, **common)  # fmt: skip
     if not a.no_model:
         text += "\n\n" + exact.format_table(p, rows, seq, a.micro_batch, a.gpu_mem, a.dry_run)
     return text + ("\n\n" + explain.MEMORY if a.explain else "")

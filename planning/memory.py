@@ -73,11 +73,10 @@ def check_layout(preset, gpus: int, dp: int, tp: int, pp: int, even_pp: bool = T
     for name, d in (("tp", tp), ("pp", pp), ("dp", dp)):
         if d < 1:
             raise ValueError(f"{name}={d} must be >= 1")
-    if preset.heads % tp or preset.kv_heads % tp or preset.d_ff % tp:
-        raise ValueError(
-            f"tp={tp} does not divide {preset.name}'s {preset.heads} heads / "
-            f"{preset.kv_heads} kv heads / d_ff {preset.d_ff}"
-        )
+    what = {"heads": preset.heads, "kv heads": preset.kv_heads, "d_ff": preset.d_ff}
+    bad = [f"{n} {v}" for n, v in what.items() if v % tp]
+    if bad:
+        raise ValueError(f"tp={tp} does not divide {preset.name}'s {' and '.join(bad)}")
     if even_pp and preset.layers % pp:
         raise ValueError(f"pp={pp} does not divide {preset.name}'s {preset.layers} layers")
     if pp > preset.layers:
@@ -97,9 +96,11 @@ def plan(
     return Plan(name, dp, tp, pp, zero, recompute, state, act, reserve_gib * GIB)
 
 
-def strategies(preset, gpus, seq, b, recompute, reserve_gib) -> list[Plan]:
+def strategies(preset, gpus, seq, b, recompute, reserve_gib, skipped=None) -> list[Plan]:
     """The six single-axis plans: DDP and ZeRO-1/2/3 over dp = gpus, then tp = gpus, pp = gpus
-    (a model-parallel row the model's shape cannot take is left out)."""
+    (a model-parallel row the model's shape cannot take is left out, its reason appended to
+    ``skipped``)."""
+    skipped = [] if skipped is None else skipped
     rows = []
     for z, name in enumerate(("DDP (replicate everything)", "ZeRO-1 (shard optimizer)",
                               "ZeRO-2 (+ shard grads)", "ZeRO-3 / FSDP (+ shard params)")):  # fmt: skip
@@ -108,8 +109,8 @@ def strategies(preset, gpus, seq, b, recompute, reserve_gib) -> list[Plan]:
         try:
             rows.append(plan(preset, gpus, 1, tp, pp, 0, recompute, seq, b, reserve_gib,
                              f"{axis}={gpus}"))  # fmt: skip
-        except ValueError:
-            pass
+        except ValueError as exc:
+            skipped.append(f"{axis}={gpus} left out: {exc}")
     return rows
 
 
@@ -156,7 +157,7 @@ def _g(x: float) -> str:
 
 
 def format_table(preset, rows, *, gpus, seq, b, recompute, gpu_gib, reserve_gib,
-                 suggested=False) -> str:  # fmt: skip
+                 suggested=False, notes=()) -> str:  # fmt: skip
     p = preset
     state16 = 16 * p.params
     lines = [
@@ -188,6 +189,7 @@ def format_table(preset, rows, *, gpus, seq, b, recompute, gpu_gib, reserve_gib,
         )
     else:
         lines.append("all figures GiB per GPU, analytic model (not measured)")
+        lines += list(notes)
     return "\n".join(lines)
 
 

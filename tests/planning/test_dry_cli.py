@@ -37,7 +37,7 @@ def test_json_has_every_representative():
         ("--preset gpt4", ["unknown preset 'gpt4'", "llama3-405b"]),
         ("--preset llama2-7b --tp 2 --pp 2", ["tp x pp", "parallel.train"]),
         ("--preset llama2-7b --pp 64", ["pp=64 is more stages", "32 layers"]),
-        ("--preset llama2-7b --tp 3", ["tp=3", "32 heads"]),
+        ("--preset llama2-7b --tp 3", ["tp=3", "heads 32"]),
         ("--preset llama2-7b --tp 2 --zero 3", ["zero=3 with tp or pp"]),
     ],
 )

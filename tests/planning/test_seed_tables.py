@@ -75,7 +75,7 @@ def test_seed_prose_figures():
     "argv, words",
     [
         ("memory --preset gpt4", ["unknown preset 'gpt4'", "llama2-70b", "llama3-405b"]),
-        ("memory --preset llama2-70b --gpus 8 --tp 3", ["tp=3", "64 heads"]),
+        ("memory --preset llama2-70b --gpus 8 --tp 3", ["tp=3", "heads 64 and kv heads 8"]),
         ("memory --preset llama2-70b --gpus 6 --pp 3", ["pp=3", "80 layers"]),
         ("memory --preset llama2-70b --gpus 12 --tp 8", ["12 GPUs"]),
         ("memory --preset llama2-70b --gpus 2 --suggest", ["no layout of 2 GPUs fits"]),
