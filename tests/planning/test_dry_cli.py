@@ -46,3 +46,15 @@ def test_bad_input_is_one_line(argv, words):
     assert rc == 2 and out == "" and err.count("\n") == 1
     for w in words:
         assert w in err, err
+
+
+def test_plan_memory_dry_run_columns_equal_this_models():
+    from planning import exact, memory, presets
+
+    p = presets.get("llama2-7b")
+    rows = memory.strategies(p, 2, 32, 1, "none", 10)
+    # ZeRO-3 ledgers its state; the tp driver ledgers activations (and dp buckets) only
+    for r, ledgers_state in ((rows[3], True), (rows[4], False)):
+        e = exact.price(p, r, 32, 1)
+        state, activ, _ = exact.dry_figures(p, r, 32, 1)
+        assert activ == e.activ and state == (e.state if ledgers_state else None), r.name
