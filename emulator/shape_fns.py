@@ -162,7 +162,14 @@ class ShapeRNG:
     def normal(self, loc=0.0, scale=1.0, size=None):
         return ShapeArray.new(() if size is None else size, np.float64)
 
-    standard_normal = random = uniform = normal
+    def uniform(self, low=0.0, high=1.0, size=None):
+        return ShapeArray.new(() if size is None else size, np.float64)
+
+    def standard_normal(self, size=None, dtype=np.float64):
+        return ShapeArray.new(() if size is None else size, dtype)
+
+    def random(self, size=None, dtype=np.float64):
+        return ShapeArray.new(() if size is None else size, dtype)
 
     def integers(self, low, high=None, size=None, dtype=np.int64, endpoint=False):
         return ShapeArray.new(() if size is None else size, dtype)

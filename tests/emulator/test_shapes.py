@@ -78,3 +78,16 @@ def test_unsupported_functions_say_so_and_numpy_is_restored():
         assert isinstance(np.zeros(3), ShapeArray)
         raise RuntimeError
     assert np.zeros is zeros and type(np.zeros(3)) is np.ndarray
+
+
+def test_the_shape_only_generator_draws_numpys_shapes_and_dtypes():
+    real = np.random.default_rng(0)
+    with shape_only():
+        fake = np.random.default_rng(0)
+    draws = [("normal", (0.0, 1.0, (2, 3))), ("uniform", (0.0, 1.0, (4,))),
+             ("standard_normal", ((3, 1),)), ("random", ((5,),)),
+             ("integers", (0, 9, (2, 2)))]  # fmt: skip
+    for name, args in draws:
+        want, got = getattr(real, name)(*args), getattr(fake, name)(*args)
+        assert (got.shape, got.dtype) == (want.shape, want.dtype), name
+        assert isinstance(got, ShapeArray)

@@ -68,6 +68,28 @@ def test_tensor_and_pipeline_dry_equals_real(lay):
     assert_equal_everywhere(cfg, lay, B=B, S=8)
 
 
+@st.composite
+def model_parallel_layouts(draw):
+    dp, zero = draw(st.integers(1, 2)), draw(st.integers(0, 1))
+    rc = draw(st.sampled_from(["none", "selective", "full"]))
+    if draw(st.booleans()):
+        return Layout(dp=dp, tp=draw(st.sampled_from([2, 4])), zero=zero, recompute=rc,
+                      sp=draw(st.booleans()), microbatches=draw(st.integers(1, 2)))  # fmt: skip
+    sched = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1"]))
+    pp = draw(st.integers(2, 3 if sched != "interleaved" else 2))
+    m = pp * draw(st.integers(1, 2)) if sched == "interleaved" else draw(st.integers(1, 4))
+    rc = "none" if sched == "zb-h1" and rc == "full" else rc
+    return Layout(dp=dp, pp=pp, zero=zero, microbatches=m, schedule=sched, recompute=rc,
+                  chunks=2 if sched == "interleaved" else None)  # fmt: skip
+
+
+@settings(max_examples=8, deadline=None)
+@given(lay=model_parallel_layouts())
+def test_model_parallel_dry_equals_real_hypothesis(lay):
+    cfg = cfg_of("mixed", L=4, H=16, A=4, V=32)
+    assert_equal_everywhere(cfg, lay, B=lay.dp * lay.microbatches * 2, S=8)
+
+
 @pytest.mark.parametrize(
     "lay, B",
     [
