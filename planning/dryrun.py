@@ -50,6 +50,8 @@ class Layout:
                 f"tp={self.tp} x pp={self.pp}: the dry run covers dp, dp x tp and dp x pp; tp x pp "
                 "together needs the N-D driver parallel.train"
             )
+        if self.tp > 1 and self.recompute == "full":
+            raise ValueError("tensor parallelism here recomputes 'none' or 'selective', not 'full'")
         if (self.tp > 1 or self.pp > 1) and self.zero > 1:
             raise ValueError(f"zero={self.zero} with tp or pp: those layouts take ZeRO 0 or 1")
 

@@ -13,7 +13,8 @@ worst rank (pipeline stage 0 or the last stage, tensor rank 0):
               static (2 fp32 moments per owned element)
   activations per block emulator.flops.activation_bytes_per_block (tp = 1) or
               parallel.tensor.cost.block_activation_bytes (tp > 1, sequence parallel); full
-              recompute with tp > 1 keeps the block input sharded on the sequence: 2 B S H / t.
+              recompute with tp > 1 keeps the block input sharded on the sequence: 2 B S H / t
+              (priced only: this project's tp code recomputes none or selective).
               Times L: 1F1B's stage 0 holds min(pp, m) = pp micro-batches of L / pp blocks.
 Why the columns differ from the course's (which prices Psi = the quoted count with Korthikanti's
 34 + 5 a s / h): see WHY.
