@@ -234,11 +234,35 @@ def _np_take(a, indices, axis=None, out=None, mode="raise"):
 def _np_flatnonzero(a):
     """Data: which entries are non-zero. A shape-only array reads as zeros, so none are - the
     stated assumption (in this code such index sets only steer in-place updates, e.g. the
-    vocabulary-parallel loss's own-target rows; MoE routing, whose sizes they decide, is not
-    dry-run)."""
+    vocabulary-parallel loss's own-target rows; MoE buffers are capacity-sized, so routing
+    decides no size)."""
     return ShapeArray.new((0,), np.intp)
 
 
 @_implements(np.array_equal)
 def _np_array_equal(a1, a2, equal_nan=False):
     return _shape(a1) == _shape(a2)  # both read as zeros
+
+
+# -- index computations (MoE routing): shapes are data-independent, values read as zeros ---------
+@_implements(np.argsort)
+def _np_argsort(a, axis=-1, kind=None, order=None, stable=None):
+    return ShapeArray.new((a.size,) if axis is None else a.shape, np.intp)
+
+
+@_implements(np.take_along_axis)
+def _np_take_along_axis(arr, indices, axis=-1):
+    return ShapeArray.new(np.broadcast_shapes(_shape(arr)[:0] or _shape(indices), _shape(indices)),
+                          arr.dtype)  # fmt: skip
+
+
+@_implements(np.put_along_axis)
+def _np_put_along_axis(arr, indices, values, axis):
+    return None
+
+
+@_implements(np.bincount)
+def _np_bincount(x, weights=None, minlength=0):
+    """Every id reads as 0, so the count has max(minlength, 1) bins (NumPy's length rule)."""
+    dt = np.intp if weights is None else np.float64
+    return ShapeArray.new((max(minlength, 1 if x.size else 0),), dt)

@@ -207,21 +207,29 @@ def _advanced_shape(shape, key) -> tuple:
         else:
             expanded.append(k)
     key = tuple(expanded)
+    consumed = sum(1 for k in key if k is not None and k is not Ellipsis)
     dots = [i for i, k in enumerate(key) if k is Ellipsis]
-    if dots:
-        i = dots[0]
-        key = key[:i] + (slice(None),) * (len(shape) - len(key) + 1) + key[i + 1 :]
-    key = key + (slice(None),) * (len(shape) - len(key))
+    fill = (slice(None),) * (len(shape) - consumed)
+    key = key[: dots[0]] + fill + key[dots[0] + 1 :] if dots else key + fill
     # with an array index present, integers are advanced indices too (0-d, broadcast)
-    adv = [i for i, k in enumerate(key) if not isinstance(k, slice) and k is not None]
-    b = np.broadcast_shapes(*(_shape(key[i]) for i in adv))
-    before, after = [], []
-    for i, k in enumerate(key):
-        if isinstance(k, slice):
-            (before if i < adv[0] else after).append(len(range(*k.indices(shape[i]))))
+    parts, dim = [], 0
+    for k in key:
+        if k is None:
+            parts.append((False, (1,)))
+        elif isinstance(k, slice):
+            parts.append((False, (len(range(*k.indices(shape[dim]))),)))
+            dim += 1
+        else:
+            parts.append((True, _shape(k)))
+            dim += 1
+    adv = [i for i, (is_adv, _) in enumerate(parts) if is_adv]
+    b = np.broadcast_shapes(*(parts[i][1] for i in adv))
+    rest = [(i, d) for i, (is_adv, d) in enumerate(parts) if not is_adv]
     if adv == list(range(adv[0], adv[-1] + 1)):
+        before = [n for i, d in rest if i < adv[0] for n in d]
+        after = [n for i, d in rest if i > adv[-1] for n in d]
         return (*before, *b, *after)
-    return (*b, *before, *after)
+    return (*b, *(n for _, d in rest for n in d))
 
 
 def _shape(x) -> tuple:
