@@ -252,8 +252,12 @@ def _np_argsort(a, axis=-1, kind=None, order=None, stable=None):
 
 @_implements(np.take_along_axis)
 def _np_take_along_axis(arr, indices, axis=-1):
-    return ShapeArray.new(np.broadcast_shapes(_shape(arr)[:0] or _shape(indices), _shape(indices)),
-                          arr.dtype)  # fmt: skip
+    a, i = list(_shape(arr)), list(_shape(indices))
+    axis %= len(a)
+    n, a[axis], i[axis] = i[axis], 1, 1
+    out = list(np.broadcast_shapes(tuple(a), tuple(i)))
+    out[axis] = n
+    return ShapeArray.new(out, arr.dtype)
 
 
 @_implements(np.put_along_axis)

@@ -40,6 +40,8 @@ PROGRAMS = {
         np.zeros_like(x, np.int8),
         np.take(x, np.arange(1), axis=2),
         np.dot(x[0], x[0].T),
+        np.argsort(x, axis=1),
+        np.take_along_axis(x, np.zeros((1, 2, 1), int), axis=1),
     ],
     "contiguity": lambda x: [
         np.ascontiguousarray(x.T),
