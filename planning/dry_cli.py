@@ -35,6 +35,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--sequence-parallel", action="store_true", help="with --tp")
     ap.add_argument("--recompute", choices=memory.RECOMPUTE, default="none")
+    ap.add_argument("--prefetch", action="store_true", help="ZeRO-3: gather the next unit early")
+    ap.add_argument("--no-reshard", action="store_true", help="ZeRO-3: keep units gathered")
     ap.add_argument("--ranks", default=None, help="comma-separated ranks (default: one per role)")
     ap.add_argument("--json", action="store_true")
     return ap
@@ -70,7 +72,8 @@ def main(argv=None) -> int:
         seq = a.seq or p.seq
         m = a.microbatches or (max(1, a.pp))
         lay = Layout(dp=a.dp, tp=a.tp, pp=a.pp, zero=a.zero, microbatches=m, schedule=a.schedule,
-                     sp=a.sequence_parallel, recompute=a.recompute)  # fmt: skip
+                     sp=a.sequence_parallel, recompute=a.recompute, prefetch=a.prefetch,
+                     reshard=not a.no_reshard)  # fmt: skip
         lay.check()
         row = memory.plan(p, lay.size, a.dp, a.tp, a.pp, a.zero, a.recompute, seq, a.micro_batch,
                           0.0, even_pp=False)  # fmt: skip
@@ -81,7 +84,8 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"dryrun: {exc}", file=sys.stderr)
         return 2
-    ex = exact.price(p, row, seq, a.micro_batch)
+    ex = exact.price(p, row, seq, a.micro_batch, reshard_after_forward=not a.no_reshard,
+                     prefetch=a.prefetch)  # fmt: skip
     if a.json:
         print(json.dumps({"layout": vars(lay), "seconds": total, "ranks": {
             r: {"role": v["role"], "seconds": v["seconds"], "memory": v["figures"]["memory"],

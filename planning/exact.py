@@ -58,7 +58,7 @@ def rank_shapes(cfg, tp: int, pp: int, stage: int) -> dict:
     return {n: local_shape(shapes[n], plan[n], tp, n) if tp > 1 else shapes[n] for n in names}
 
 
-def state_bytes(cfg, shapes: dict, dp: int, zero: int, b: int, S: int) -> int:
+def state_bytes(cfg, shapes: dict, dp: int, zero: int, b: int, S: int, **fsdp) -> int:
     """Peak params + grads and static optimizer bytes of one dp rank over these shapes."""
     stage = "ddp" if zero == 0 else str(zero)
     if zero == 3:
@@ -66,7 +66,7 @@ def state_bytes(cfg, shapes: dict, dp: int, zero: int, b: int, S: int) -> int:
     else:
         layouts = make_buckets(shapes, dp, 25.0, 2)
     n = sum(math.prod(s) for s in shapes.values())
-    peak = dpcost.peak_memory(stage, layouts, n, cfg, b, S)
+    peak = dpcost.peak_memory(stage, layouts, n, cfg, b, S, **fsdp)  # reshard / prefetch
     static = dpcost.static_memory(stage, layouts, n, cfg.dtype)
     return peak["params"] + peak["grads"] + static["optimizer"]
 
@@ -90,10 +90,11 @@ class Exact:
     activ: int
 
 
-def price(preset, row, seq: int, b: int) -> Exact:
+def price(preset, row, seq: int, b: int, **fsdp) -> Exact:
+    """``fsdp``: ZeRO-3's reshard_after_forward / prefetch (parallel.data.cost.peak_memory)."""
     cfg = preset.model_config(seq)
-    states = [state_bytes(cfg, rank_shapes(cfg, row.tp, row.pp, s), row.dp, row.zero, b, seq)
-              for s in {0, row.pp - 1}]  # fmt: skip
+    states = [state_bytes(cfg, rank_shapes(cfg, row.tp, row.pp, s), row.dp, row.zero, b, seq,
+                          **fsdp) for s in {0, row.pp - 1}]  # fmt: skip
     return Exact(
         n_params(cfg), max(states), activation_bytes(cfg, b, seq, row.tp, row.recompute, row.pp)
     )

@@ -16,8 +16,9 @@ def run(argv: str):
     return rc, out.getvalue(), err.getvalue()
 
 
-def test_zero3_bytes_equal_the_formula_and_memory_equals_this_model():
-    rc, out, _ = run("--preset llama2-7b --dp 4 --zero 3 --seq 64")
+@pytest.mark.parametrize("flags", ["", "--prefetch", "--no-reshard"])
+def test_zero3_bytes_equal_the_formula_and_memory_equals_this_model(flags):
+    rc, out, _ = run(f"--preset llama2-7b --dp 4 --zero 3 --seq 64 --ranks 0 {flags}")
     assert rc == 0 and ": equal" in out and "DIFFERENT" not in out
     state = next(line for line in out.split("\n") if line.strip().startswith("state"))
     dry, model = state.split()[1:3]
