@@ -270,3 +270,8 @@ def _np_bincount(x, weights=None, minlength=0):
     """Every id reads as 0, so the count has max(minlength, 1) bins (NumPy's length rule)."""
     dt = np.intp if weights is None else np.float64
     return ShapeArray.new((max(minlength, 1 if x.size else 0),), dt)
+
+
+@_implements(np.ravel)
+def _np_ravel(a, order="C"):
+    return a.ravel(order)

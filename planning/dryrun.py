@@ -101,8 +101,11 @@ def figures(comm) -> dict:
 def representative(lay: Layout, rank: int) -> int:
     """The rank whose dry run stands for world rank ``rank``: the same pipeline stage at
     dp = tp = 0 (mesh order dp, then tp or pp). Ranks of one stage hold the same memory and send
-    the same bytes per tag, direction and group, except the one-element all-reduce of the
-    clipping norm (tag dp/clip), whose ring chunks fall unevenly: 8 or 16 bytes by rank."""
+    the same bytes per tag, direction and group, except two tags whose traffic depends on the
+    rank's place in the group: the one-element all-reduce of the clipping norm (dp/clip; its
+    ring chunks fall unevenly, 8 or 16 bytes by rank) and DDP's one-off initial broadcast
+    (*init_broadcast; a binomial tree: the root sends, inner ranks forward, leaves receive -
+    collectives.cost.tree_broadcast gives each rank's bytes)."""
     return rank % lay.pp if lay.pp > 1 else 0
 
 
@@ -115,11 +118,11 @@ def representatives(lay: Layout) -> dict:
 
 
 def role_figures(fig: dict) -> tuple:
-    """What ranks of one role share: bytes per (tag, op, direction, group) without dp/clip, and
-    the memory snapshot."""
+    """What ranks of one role share: bytes per (tag, op, direction, group) without the two
+    position-dependent tags (see representative), and the memory snapshot."""
     by: dict = {}
     for (tag, op, _alg, direction, _peer, group), n in fig["bytes"].items():
-        if not tag.startswith("dp/clip"):
+        if not (tag.startswith("dp/clip") or tag.endswith("init_broadcast")):
             by[(tag, op, direction, group)] = by.get((tag, op, direction, group), 0) + n
     return by, fig["memory"]
 

@@ -80,22 +80,26 @@ def layers(cfg) -> list[str]:
 
 
 def microbatch_step(hooks: Hooks, tokens, targets, cfg, *, ce_denom, aux_scale, groups=None,
-                    recompute="none", mem=None, mem_prefix="", routing=None):  # fmt: skip
+                    recompute="none", mem=None, mem_prefix="", routing=None, positions=None,
+                    attention=None):  # fmt: skip
     """One micro-batch forward + backward, layer by layer; the loss is the rank's share.
 
     Same arithmetic, in the same order, as emulator.model.model_forward / model_backward, so a
     rank's gradients are bitwise the reference's for the same micro-batch. `routing` (a list,
     MoE only): each block's decisions (parallel.check.routing.decisions: the kept (N, E) experts
     of each routing group) are appended, in layer order; not available with recompute="full".
+    Context parallelism: `positions` (the local columns' global positions, for the position
+    embedding) and `attention` (its attention core pair, see emulator.block.block_forward).
     """
     caches, used, aux = {}, {}, []
     p = used["embed"] = hooks.pre_forward("embed")
-    x, caches["embed"] = embed_forward(p, tokens)  # (B, S, H)
+    x, caches["embed"] = embed_forward(p, tokens, positions)  # (B, S, H)
     hooks.post_forward("embed")
     for i in range(cfg.n_layers):
         name = f"blocks.{i}"
         p = used[name] = hooks.pre_forward(name)
         kw = {"recompute": recompute, "groups": groups, "mem": mem, "name": mem_prefix + name}
+        kw["attention"] = attention
         x, caches[name] = block_forward(block_params(p, i), x, cfg, **kw)
         aux.append(caches[name]["aux"])
         if routing is not None and "moe" in caches[name]["saved"]:
