@@ -28,6 +28,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1, help="context parallel degree (dp x cp)")
+    ap.add_argument("--cp-method", default="ring", help="ring | all-gather | ulysses")
+    ap.add_argument("--cp-balance", default="zigzag", help="zigzag | contiguous")
     ap.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     ap.add_argument("--seq", type=int, default=None, help="default: the preset's")
     ap.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
@@ -73,10 +76,12 @@ def main(argv=None) -> int:
         m = a.microbatches or (max(1, a.pp))
         lay = Layout(dp=a.dp, tp=a.tp, pp=a.pp, zero=a.zero, microbatches=m, schedule=a.schedule,
                      sp=a.sequence_parallel, recompute=a.recompute, prefetch=a.prefetch,
-                     reshard=not a.no_reshard)  # fmt: skip
+                     reshard=not a.no_reshard, cp=a.cp, cp_method=a.cp_method,
+                     cp_balance=a.cp_balance)  # fmt: skip
         lay.check()
-        row = memory.plan(p, lay.size, a.dp, a.tp, a.pp, a.zero, a.recompute, seq, a.micro_batch,
-                          0.0, even_pp=False)  # fmt: skip
+        # the course's formulas and this model's have no cp term: priced without it (dp x tp x pp)
+        row = memory.plan(p, lay.size // lay.cp, a.dp, a.tp, a.pp, a.zero, a.recompute, seq,
+                          a.micro_batch, 0.0, even_pp=False)  # fmt: skip
         ranks = None if a.ranks is None else [int(r) for r in a.ranks.split(",")]
         t0 = time.perf_counter()
         runs = dry_layout(p.model_config(seq), lay, a.dp * a.micro_batch * m, seq, ranks)
@@ -94,7 +99,7 @@ def main(argv=None) -> int:
     print(f"dry run: {p.name} as this model ({ex.params / 1e9:.2f}B params; published "
           f"{p.params / 1e9:.1f}B), seq={seq}, micro-batch={a.micro_batch}, {m} micro-batch(es), "
           f"recompute={a.recompute}")  # fmt: skip
-    print(f"layout : dp={a.dp} tp={a.tp} pp={a.pp} zero={a.zero} = {lay.size} ranks; ran "
+    print(f"layout : dp={a.dp} tp={a.tp} pp={a.pp} cp={a.cp} zero={a.zero} = {lay.size} ranks; ran "
           f"{len(runs)} representative rank(s) in {total:.2f} s")  # fmt: skip
     for r, v in runs.items():
         peak = v["figures"]["memory"]["peak"]
@@ -110,13 +115,15 @@ def main(argv=None) -> int:
         )
         sent = tags(v["figures"])
         print(f"  bytes sent, one step: {sum(sent.values()):,}")
-        if lay.tp == lay.pp == 1 and lay.dp > 1:
+        if lay.tp == lay.pp == lay.cp == 1 and lay.dp > 1:
             want = dp_formula(p.model_config(seq), lay)
             got = sent.get("dp/grads", 0) + sent.get("dp/params", 0)
             print(f"  dp/grads + dp/params {got:,} = parallel/data/cost.step_bytes {want:,}: "
                   f"{'equal' if got == want else 'DIFFERENT'}")  # fmt: skip
         for k in sorted(sent, key=sent.get, reverse=True)[:8]:
             print(f"    {k:<28}{sent[k]:>20,}")
+    if lay.cp > 1:
+        print(f"\ncp={lay.cp}: 'this model' and 'course' are priced without context parallelism")
     print("\npeaks per category are each category's own maximum over the step; 'this model' "
           "prices the worst stage, 'course' the course's formulas at the published count")  # fmt: skip
     return 0

@@ -7,7 +7,10 @@ peer, group) and the memory ledger's snapshot (current and peak per category).
 
 Layouts: dp only (parallel.data.train: DDP, ZeRO-1/2/3), dp x tp (parallel.tensor.train, DDP or
 ZeRO-1 over dp, optional sequence parallelism), dp x pp (parallel.pipeline.train, any schedule,
-dp_mode none / ddp / zero1). tp x pp together waits for the N-D driver (parallel.train).
+dp_mode none / ddp / zero1), dp x cp (parallel.context.train: ring / all-gather / Ulysses,
+contiguous or zigzag). tp x pp together waits for the N-D driver (parallel.train); expert
+parallelism sends data-dependent row counts (all-to-all-v of the routed tokens), which a dry run
+cannot know without an assumed routing, so it is not dry-run yet.
 
 Rank symmetry: ranks with the same role run the same code on the same shapes, so one rank stands
 for its role: one per pipeline stage (their in-flight activations differ), at dp = tp = 0
@@ -39,10 +42,13 @@ class Layout:
     recompute: str = "none"
     prefetch: bool = False
     reshard: bool = True
+    cp: int = 1  # context parallel (parallel.context.train: one DDP over dp x cp)
+    cp_method: str = "ring"
+    cp_balance: str = "zigzag"
 
     @property
     def size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     def check(self) -> None:
         if self.tp > 1 and self.pp > 1:
@@ -50,6 +56,8 @@ class Layout:
                 f"tp={self.tp} x pp={self.pp}: the dry run covers dp, dp x tp and dp x pp; tp x pp "
                 "together needs the N-D driver parallel.train"
             )
+        if self.cp > 1 and (self.tp > 1 or self.pp > 1 or self.zero):
+            raise ValueError(f"cp={self.cp}: context parallelism runs over dp x cp with DDP only")
         if self.tp > 1 and self.recompute == "full":
             raise ValueError("tensor parallelism here recomputes 'none' or 'selective', not 'full'")
         if (self.tp > 1 or self.pp > 1) and self.zero > 1:
@@ -66,6 +74,7 @@ def batch(cfg, B: int, S: int, dry: bool, seed: int = 1):
 
 
 def run_layout(comm, cfg, lay: Layout, B: int, S: int, dry: bool, steps: int = 1):
+    from parallel.context.train import cp_train
     from parallel.data.train import train_data_parallel
     from parallel.pipeline.train import pipeline_train
     from parallel.tensor.train import tp_train
@@ -73,6 +82,9 @@ def run_layout(comm, cfg, lay: Layout, B: int, S: int, dry: bool, steps: int = 1
     lay.check()
     data = batch(cfg, B, S, dry) * steps
     common = {"recompute": lay.recompute}
+    if lay.cp > 1:
+        return cp_train(comm, cfg, 0, data, steps, cp=lay.cp, method=lay.cp_method,
+                        balance=lay.cp_balance, microbatches=lay.microbatches, **common)  # fmt: skip
     if lay.tp == 1 and lay.pp == 1:
         stage = "ddp" if lay.zero == 0 else lay.zero
         return train_data_parallel(comm, cfg, 0, data, steps, stage=stage,
@@ -106,11 +118,15 @@ def representative(lay: Layout, rank: int) -> int:
     ring chunks fall unevenly, 8 or 16 bytes by rank) and DDP's one-off initial broadcast
     (*init_broadcast; a binomial tree: the root sends, inner ranks forward, leaves receive -
     collectives.cost.tree_broadcast gives each rank's bytes)."""
+    if lay.cp > 1:
+        return rank % lay.cp  # mesh dp x cp: each cp rank holds a different part of the sequence
     return rank % lay.pp if lay.pp > 1 else 0
 
 
 def representatives(lay: Layout) -> dict:
     """{world rank: what it stands for}."""
+    if lay.cp > 1:
+        return {c: f"cp rank {c}, for its {lay.dp} dp rank(s)" for c in range(lay.cp)}
     if lay.pp == 1:
         what = f"all {lay.size} ranks" if lay.size > 1 else "the only rank"
         return {0: f"rank 0, for {what}"}

@@ -40,6 +40,7 @@ def test_json_has_every_representative():
         ("--preset llama2-7b --pp 64", ["pp=64 is more stages", "32 layers"]),
         ("--preset llama2-7b --tp 3", ["tp=3", "heads 32"]),
         ("--preset llama2-7b --tp 2 --zero 3", ["zero=3 with tp or pp"]),
+        ("--preset llama2-7b --cp 2 --tp 2", ["cp=2", "dp x cp with DDP only"]),
     ],
 )
 def test_bad_input_is_one_line(argv, words):

@@ -135,3 +135,25 @@ def test_moe_dry_equals_real(lay):
     cfg = ModelConfig(vocab_size=30, max_seq_len=8, d_model=12, n_heads=2, n_layers=2,
                       n_experts=4, moe_top_k=2, dtype="mixed")  # fmt: skip
     assert_equal_everywhere(cfg, lay, B=lay.dp * lay.microbatches * 2, S=8)
+
+
+@pytest.mark.parametrize(
+    "lay",
+    [
+        Layout(cp=2),
+        Layout(dp=2, cp=2, cp_method="all-gather", cp_balance="contiguous"),
+        Layout(cp=2, cp_method="ulysses", recompute="selective", microbatches=2),
+    ],
+    ids=str,
+)
+def test_context_parallel_dry_equals_real(lay):
+    cfg = cfg_of("mixed", L=2, H=12, A=2, V=30)
+    assert_equal_everywhere(cfg, lay, B=lay.dp * lay.microbatches * 2, S=8)
+
+
+def test_context_parallel_ranks_are_their_representatives_twins():
+    lay = Layout(dp=2, cp=2, cp_balance="contiguous")
+    real = real_layout(cfg_of("mixed", L=2, H=12, A=2, V=30), lay, 4, 8)
+    assert sorted(representatives(lay)) == [0, 1]
+    for r, fig in enumerate(real):
+        assert role_figures(fig) == role_figures(real[representative(lay, r)]), r
