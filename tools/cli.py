@@ -3,6 +3,8 @@
 python -m emulator run -n 16 examples/01_collectives.py [script args]   # 16 virtual ranks
 python -m emulator tour                                                  # every example, verdicts
 python -m emulator bench collectives | model | layouts                   # benchmark tables
+python -m emulator plan memory | collective | bubble [flags]             # planning (planning/)
+python -m emulator dryrun --preset NAME --dp D --zero Z                  # shape-only run
 
 A bad flag or value is one line on stderr and exit code 2 (tools/args.py); anything else that
 goes wrong is one line naming what failed, the traceback only with --debug (or DISTEMU_DEBUG=1).
@@ -24,6 +26,7 @@ BENCHES = {
     "collectives": "benchmarks.collectives",
     "model": "benchmarks.model",
     "layouts": "benchmarks.layouts",
+    "dryrun": "benchmarks.dryrun",
 }
 
 
@@ -80,6 +83,13 @@ def main(argv=None) -> int:
     bench = sub.add_parser("bench", help="print a benchmark table")
     bench.add_argument("what", choices=sorted(BENCHES))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    for name, what in (("plan", "memory | collective | bubble"), ("dryrun", "shape-only run")):
+        p = sub.add_parser(name, help=f"{name} {what} (planning/; --help after it for flags)")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("plan", "dryrun"):  # their flags are planning/'s, parsed there
+        module = importlib.import_module(f"planning.{'cli' if argv[0] == 'plan' else 'dry_cli'}")
+        return module.main(argv[1:])
     args = parser.parse_args(argv)
     debug = args.debug or bool(os.environ.get("DISTEMU_DEBUG"))
     if args.debug:  # `python -m emulator --debug run ...` reaches the script's handler too
