@@ -92,12 +92,11 @@ def pipeline_train(where, cfg, seed, batches, steps, *, schedule="1f1b", microba
         compute = to_compute(opt.params if dp_mode == "zero1" else master, cfg)
         mem.reset_peak()
         mark = pp.ledger.mark()
-        with emulator.scope("pp"):
-            grads, loss, done, peak = run_schedule(
-                pp, sched, split, compute, mbs, cfg, ce_denom=tokens.size * D,
-                aux_scales=[n_groups[r * m + j] / sum(n_groups) for j in range(m)],
-                groups=groups[r * m : (r + 1) * m], recompute=recompute, mem=mem,
-            )  # fmt: skip
+        grads, loss, done, peak = run_schedule(  # boundary traffic tagged "pp/act|grad/mb<j>"
+            pp, sched, split, compute, mbs, cfg, ce_denom=tokens.size * D,
+            aux_scales=[n_groups[r * m + j] / sum(n_groups) for j in range(m)],
+            groups=groups[r * m : (r + 1) * m], recompute=recompute, mem=mem,
+        )  # fmt: skip
         boundary = pp.ledger.since(mark)
         grads = {n: grads[n] for n in names}  # state_dict order: sums of squares add alike
         if dp_mode == "zero1":
