@@ -16,6 +16,7 @@ each, S the sequence; c the compute itemsize. A rank's share: its stage's parame
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from collectives import cost
@@ -121,7 +122,7 @@ def rank_peak_memory(cfg, layout, s: int) -> dict:
             for u in range(s, U, layout.pp):
                 order = ["embed"] * (u == 0) + [f"blocks.{i}" for i in split[u]]
                 order += ["head"] * (u == U - 1)
-                for a, z in zip(order, order[1:]):
+                for a, z in itertools.pairwise(order):
                     live = max(live, size[a] + size[z])
         peak["params"] += live * c
     return peak

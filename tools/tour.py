@@ -44,6 +44,13 @@ RUNS = [
     ("05_pipeline.py", 4, ["--pp", "2", "--dp", "2", "--dp-mode", "zero1", "--schedule", "zb-h1"]),
     ("05_pipeline.py", 4, ["--pp", "4", "--microbatches", "2", "--schedule", "zb-h1"]),
     ("05_pipeline.py", 4, ["--dtype", "mixed", "--max-norm", "0", "--schedule", "interleaved"]),
+    ("06_nd_mesh.py", 8, ["--dp", "2", "--pp", "2", "--tp", "2", "--zero", "1"]),
+    (
+        "06_nd_mesh.py",
+        8,
+        ["--dp", "2", "--pp", "2", "--tp", "2", "--zero", "3", "--sequence-parallel"],
+    ),
+    ("06_nd_mesh.py", 8, ["--zero", "2", "--schedule", "interleaved", "--chunks", "2", "--moe"]),
 ]
 
 
