@@ -12,7 +12,8 @@ tp=None (or a group of 1) is exactly the single-rank pieces (emulator.model / em
 so a dp-only or pp-only layout computes bitwise what reference_train computes for the same
 micro-batch. With tp the blocks are parallel/tensor/block.py's: the same ops plus Megatron's
 named f / g (enter / leave) at the call sites, the vocab-parallel embedding and head.
-Every collective of a layer runs under the scope "tp/<layer>/mb<j>/<fwd|bwd>".
+Every collective of a layer runs under the scope "tp/<layer>/mb<j>/<fwd|bwd>" (tp_train keeps
+its historical "<layer>/mb<j>/<fwd|bwd>", tag="").
 
 Slots for the layers still to come: `cp` (context-parallel attention, issue 13) and `ep`
 (expert-parallel MoE, issue 12) are groups the Layout refuses above 1 until their drop-ins
@@ -33,6 +34,7 @@ from emulator.model import (
     head_backward,
     head_forward,
 )
+from parallel.check.routing import decisions
 from parallel.pipeline.zero_bubble import block_backward_b, block_backward_w
 from parallel.tensor.block import tp_block_backward, tp_block_forward
 from parallel.tensor.vocab import (
@@ -50,6 +52,7 @@ class LayerContext:
     regather: bool = True  # SP: keep S/t slices, all-gather them again in the backward
     cp: object = None  # slot: the context-parallel group (issue 13)
     ep: object = None  # slot: the expert-parallel group (issue 12)
+    tag: str = "tp/"  # ledger scope prefix of the tp traffic ("" keeps tp_train's tags)
 
     def __post_init__(self):
         if self.tp is not None and self.tp.size == 1:
@@ -73,7 +76,14 @@ class LayerContext:
         """The ledger tag of this layer's tp traffic (none without tp)."""
         if self.tp is None:
             return contextlib.nullcontext()
-        return scope(f"tp/{layer}/mb{mb}/{phase}")
+        return scope(f"{self.tag}{layer}/mb{mb}/{phase}")
+
+    def decisions(self, cache):
+        """An MoE block's routing decisions (parallel/check/routing.py) from its cache; None
+        when the cache does not keep them (recompute="full")."""
+        if self.tp is None:
+            return decisions(cache["saved"]["moe"][0]) if "moe" in cache["saved"] else None
+        return decisions(cache["moe"]["groups"])
 
     # ---- embedding and head: (B, S) ids -> (B, S_l, H) ... -> the CE sum / denom ------------
     def embed_forward(self, p, tokens):

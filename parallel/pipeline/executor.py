@@ -136,14 +136,26 @@ class Accumulate:
         return self.grads
 
 
+class OneStage:
+    """The pp "group" of a layout without a pipeline: one stage, every message stays local."""
+
+    rank, size, name = 0, 1, "one-stage"
+
+
 def run_schedule(pp, sched, split, params, mbs, cfg, *, ce_denom, aux_scales, groups=None,
-                 recompute="none", mem=None, ctx=None, hooks=None, dtype=None):  # fmt: skip
+                 recompute="none", mem=None, ctx=None, hooks=None, dtype=None, mb_losses=None,
+                 routing=None, io_activations=True):  # fmt: skip
     """Execute this stage's actions for one optimizer step.
 
     params: this stage's compute-dtype parameters (or None with ``hooks``); mbs: the m (tokens,
     targets) micro-batches; aux_scales[j]: micro-batch j's share of the step's routing groups
     (MoE aux weight); groups[j]: its routing groups (flat indices b*S + s) or None (one group).
-    ctx: the intra-layer context (parallel/layer.py; default single rank). hooks: who supplies
+    ctx: the intra-layer context (parallel/layer.py; default single rank). mb_losses (a dict):
+    filled with this stage's share of each micro-batch's loss, float(ce) + aux_coef * scale *
+    sum(aux of its blocks) - model_forward's expression; routing (a dict of lists): each MoE
+    block's decisions per micro-batch (parallel/check/routing.py), in layer order;
+    io_activations=False leaves the embedding's and head's caches out of the memory ledger
+    (the data- and tensor-parallel recipes' formulas count the blocks only). hooks: who supplies
     each layer's parameters and takes its gradients (default Accumulate(params)): every layer
     runs  pre_forward -> forward -> post_forward ... pre_backward -> backward -> post_backward,
     and ``start(kind, mb, layers)`` announces each action's layers in the order it runs them.
@@ -157,7 +169,8 @@ def run_schedule(pp, sched, split, params, mbs, cfg, *, ce_denom, aux_scales, gr
     dtype = next(iter(params.values())).dtype if dtype is None else dtype
     links = Links(pp, sched, (b, ctx.seq_local(S), cfg.d_model), dtype)
     groups = groups or [None] * len(mbs)
-    caches, stash = {}, {}
+    caches, stash, aux = {}, {}, {}
+    io_mem = mem if io_activations else None
     loss, live, peak, done = 0.0, 0, 0, []
 
     def fwd_params(layer, c):
@@ -184,7 +197,7 @@ def run_schedule(pp, sched, split, params, mbs, cfg, *, ce_denom, aux_scales, gr
                 with ctx.scope("embed", j, "fwd"):
                     x, c["embed"] = ctx.embed_forward(p_, tok)
                 hooks.post_forward("embed")
-                _alloc(mem, f"mb{j}.embed", c["embed"], p_)
+                _alloc(io_mem, f"mb{j}.embed", c["embed"], p_)
             else:
                 with scope(f"pp/act/mb{j}"):
                     x = links.recv(("act", j, u), (u - 1) % p)
@@ -198,16 +211,24 @@ def run_schedule(pp, sched, split, params, mbs, cfg, *, ce_denom, aux_scales, gr
                 hooks.post_forward(name)
                 c["blocks"].append(i)
                 loss += cfg.aux_loss_coef * aux_scales[j] * float(c[name]["aux"])
+                aux.setdefault(j, []).append(c[name]["aux"])
+                if routing is not None and cfg.is_moe and ctx.decisions(c[name]) is not None:
+                    routing.setdefault(j, []).append(ctx.decisions(c[name]))
             if u == U - 1:
                 p_ = fwd_params("head", c)
                 with ctx.scope("head", j, "fwd"):
                     ce, c["head"] = ctx.head_forward(p_, x, tgt, cfg, denom=ce_denom)
                 hooks.post_forward("head")
-                _alloc(mem, f"mb{j}.head", c["head"], p_)
+                _alloc(io_mem, f"mb{j}.head", c["head"], p_)
                 loss += float(ce)
+                c["ce"] = float(ce)
             else:
                 with scope(f"pp/act/mb{j}"):
                     links.send(x, ("act", j, u + 1), (u + 1) % p)
+            if mb_losses is not None:  # model_forward's expression for this stage's share
+                share = cfg.aux_loss_coef * aux_scales[j] * sum(aux.get(j, []))
+                mb_losses[j] = mb_losses.get(j, 0.0) + c.get("ce", 0.0) + share
+                aux.pop(j, None)
             caches[key] = c
             live += 1
             peak = max(peak, live)
@@ -218,7 +239,7 @@ def run_schedule(pp, sched, split, params, mbs, cfg, *, ce_denom, aux_scales, gr
                 h = bwd_cache("head", c)
                 with ctx.scope("head", j, "bwd"):
                     dx, g = ctx.head_backward(1.0, h)
-                _free(mem, f"mb{j}.head")
+                _free(io_mem, f"mb{j}.head")
                 hooks.post_backward("head", g)
             else:
                 with scope(f"pp/grad/mb{j}"):
@@ -243,7 +264,7 @@ def run_schedule(pp, sched, split, params, mbs, cfg, *, ce_denom, aux_scales, gr
             if sched.split:
                 stash[key] = deferred
             else:
-                _finish_embed(deferred, hooks, bwd_cache, ctx, mem, j)
+                _finish_embed(deferred, hooks, bwd_cache, ctx, io_mem, j)
                 live -= 1
         else:  # W: the weight gradients B deferred (Qi et al. 2023, section 2)
             deferred = stash.pop(key)
@@ -254,7 +275,7 @@ def run_schedule(pp, sched, split, params, mbs, cfg, *, ce_denom, aux_scales, gr
                     dbp = ctx.block_backward_w(st)
                     hooks.post_backward(f"blocks.{i}",
                                         {f"blocks.{i}.{n}": d for n, d in dbp.items()})  # fmt: skip
-            _finish_embed(deferred, hooks, bwd_cache, ctx, mem, j)
+            _finish_embed(deferred, hooks, bwd_cache, ctx, io_mem, j)
             live -= 1
         done.append(a)
     return hooks.result(), loss, done, peak
