@@ -56,9 +56,8 @@ class LayerContext:
 
     def __post_init__(self):
         if self.tp is not None and self.tp.size == 1:
-            self.tp = None  # a group of one: the single-rank pieces
-        if self.sp and self.tp is None:
-            raise ValueError("LayerContext: sequence parallelism needs a tp group of size > 1")
+            self.tp, self.sp = None, False  # a group of one: the single-rank pieces (SP over
+            # one rank cuts nothing; parallel.Layout refuses asking for it)
         for k in ("cp", "ep"):
             g = getattr(self, k)
             if g is not None and g.size > 1:
