@@ -26,7 +26,7 @@ from parallel.data.axis import layer_of, layer_units
 from parallel.data.cost import static_memory
 from parallel.data.cost import step_bytes as dp_step_bytes
 from parallel.data.flat import make_buckets, make_layout
-from parallel.pipeline.cost import boundary_bytes
+from parallel.pipeline.cost import boundary_bytes, peak_activation_bytes, unit_bytes
 from parallel.pipeline.executor import split_layers, stage_param_names
 from parallel.pipeline.schedules import make_schedule
 from parallel.tensor import cost as tp_cost
@@ -126,3 +126,18 @@ def rank_peak_memory(cfg, layout, s: int) -> dict:
                     live = max(live, size[a] + size[z])
         peak["params"] += live * c
     return peak
+
+
+def rank_peak_activations(cfg, layout, B: int, S: int, s: int) -> int:
+    """Peak activation bytes of stage s in a step: parallel/pipeline/cost.peak_activation_bytes
+    of the layout's schedule with each unit's bytes (its blocks x flops.activation_bytes_per_block
+    + the embedding's token ids + the head's cache), b = B / (D m) sequences per micro-batch.
+    tp = 1 only: the vocab-parallel embedding and head keep other caches, with no formula yet."""
+    if layout.tp > 1:
+        raise ValueError("rank_peak_activations: no closed form for the vocab-parallel "
+                         "embedding / head caches under tp > 1 yet")  # fmt: skip
+    sched = make_schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+    split = split_layers(cfg.n_layers, layout.pp * layout.chunks)
+    b = B // (layout.dp * layout.microbatches)
+    unit = unit_bytes(cfg, sched, split, b, S, layout.recompute)
+    return peak_activation_bytes(sched, unit)[s]
