@@ -29,22 +29,26 @@ from emulator.precision import add, down, up
 RECOMPUTE = ("none", "selective", "full")
 
 
-def _forward(bp, x, cfg, groups, keep_probs):
-    """-> (x_out, aux, cache). The computation shared by every mode."""
+def _forward(bp, x, cfg, groups, keep_probs, ops=None):
+    """-> (x_out, aux, cache). The computation shared by every mode. ``ops``: an object whose
+    attention_forward / moe_forward replace emulator's (a layout's context- or expert-parallel
+    drop-in, same signature, on this rank's local tensors); None = emulator's own."""
+    attention = attention_forward if ops is None else ops.attention_forward
+    moe = moe_forward if ops is None else ops.moe_forward
     c = {}
     a, c["ln1"] = layernorm_forward(x, bp["ln1.gain"], bp["ln1.bias"], cfg.ln_eps)  # (B, S, H)
     q, c["q"] = linear_forward(a, bp["attn.wq"], bp["attn.bq"])  # the three share input a
     k, c["k"] = linear_forward(a, bp["attn.wk"], bp["attn.bk"])
     v, c["v"] = linear_forward(a, bp["attn.wv"], bp["attn.bv"])
     n_heads = cfg.n_heads * bp["attn.wq"].shape[1] // cfg.d_model  # fewer under tensor parallel
-    o, c["attn"] = attention_forward(q, k, v, n_heads, keep_probs=keep_probs)
+    o, c["attn"] = attention(q, k, v, n_heads, keep_probs=keep_probs)
     y, c["o"] = linear_forward(o, bp["attn.wo"], bp["attn.bo"])
     x = add(x, y)
     m, c["ln2"] = layernorm_forward(x, bp["ln2.gain"], bp["ln2.bias"], cfg.ln_eps)
     if cfg.is_moe:
         mp = {n[4:]: bp[n] for n in ("moe.router", "moe.w1", "moe.b1", "moe.w2", "moe.b2")}
         kw = {"top_k": cfg.moe_top_k, "capacity_factor": cfg.capacity_factor}
-        y, aux, c["moe"] = moe_forward(mp, m, groups, **kw)
+        y, aux, c["moe"] = moe(mp, m, groups, **kw)
     else:
         z, c["w1"] = linear_forward(m, bp["mlp.w1"], bp["mlp.b1"])  # (B, S, F)
         h, c["gelu"] = gelu_forward(z)
@@ -53,7 +57,7 @@ def _forward(bp, x, cfg, groups, keep_probs):
     return add(x, y), aux, c
 
 
-def block_forward(bp, x, cfg, *, recompute="none", groups=None, mem=None, name="block"):
+def block_forward(bp, x, cfg, *, recompute="none", groups=None, mem=None, name="block", ops=None):
     """x (B, S, H) -> (x_out (B, S, H), cache); the MoE aux loss is ``cache["aux"]`` (0 if dense).
 
     With ``mem``, the bytes the cache holds (excluding parameters) are allocated as
@@ -61,10 +65,10 @@ def block_forward(bp, x, cfg, *, recompute="none", groups=None, mem=None, name="
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTE}")
-    out, aux, inner = _forward(bp, x, cfg, groups, keep_probs=recompute == "none")
+    out, aux, inner = _forward(bp, x, cfg, groups, keep_probs=recompute == "none", ops=ops)
     saved = {"x": x} if recompute == "full" else inner  # full: everything else is dropped
     cache = {"mode": recompute, "saved": saved, "aux": aux, "bp": bp, "cfg": cfg}
-    cache.update(groups=groups, mem=mem, name=name)
+    cache.update(groups=groups, mem=mem, name=name, ops=ops)
     if mem is not None:
         mem.alloc("activations", name, saved_nbytes(saved, exclude=bp.values()))
     return out, cache
@@ -77,12 +81,12 @@ def block_backward(dx, cache, daux=None):
     daux = cfg.aux_loss_coef if daux is None else daux
     c = cache["saved"]
     if cache["mode"] == "full":  # rerun the forward from the kept input (Chen et al. 2016)
-        _, _, c = _forward(bp, c["x"], cfg, cache["groups"], keep_probs=True)
+        _, _, c = _forward(bp, c["x"], cfg, cache["groups"], keep_probs=True, ops=cache["ops"])
         if mem is not None:
             mem.alloc("activations", name + ".recomputed", saved_nbytes(c, exclude=bp.values()))
-    g = {}
+    ops, g = cache["ops"], {}
     if cfg.is_moe:
-        dm, dmp = moe_backward(dx, c["moe"], daux)
+        dm, dmp = (moe_backward if ops is None else ops.moe_backward)(dx, c["moe"], daux)
         g.update({"moe." + n: d for n, d in dmp.items()})
     else:
         dh, g["mlp.w2"], g["mlp.b2"] = linear_backward(dx, c["w2"])
@@ -91,7 +95,7 @@ def block_backward(dx, cache, daux=None):
     dln2, g["ln2.gain"], g["ln2.bias"] = layernorm_backward(dm, c["ln2"])
     dx = add(dx, dln2)  # residual: the gradient reaches x both directly and through LN2
     do, g["attn.wo"], g["attn.bo"] = linear_backward(dx, c["o"])
-    dq, dk, dv = attention_backward(do, c["attn"])
+    dq, dk, dv = (attention_backward if ops is None else ops.attention_backward)(do, c["attn"])
     da_q, g["attn.wq"], g["attn.bq"] = linear_backward(dq, c["q"])
     da_k, g["attn.wk"], g["attn.bk"] = linear_backward(dk, c["k"])
     da_v, g["attn.wv"], g["attn.bv"] = linear_backward(dv, c["v"])
