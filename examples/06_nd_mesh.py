@@ -12,7 +12,8 @@ emulator.reference.reference_train on the same global batch (float64, rtol 1e-12
 gathered model AND for the rank's own shards (replicas included); the bytes it sent in the last
 step split by axis (ledger tags dp/, tp/, pp/, dp/clip) beside parallel/nd_cost.rank_bytes (each
 axis's own formula on its share); its static memory by category (and ZeRO-2/3 peaks) beside the
-formulas. Prints the Layout, the mesh's groups, both tables and a VERDICT line; exits 1 on any
+formulas, and its peak activation bytes beside the pipeline's in-flight formula with TP/SP
+units (parallel/nd_cost.rank_peak_activations). Prints the Layout, the mesh's groups, both tables and a VERDICT line; exits 1 on any
 mismatch.
 """
 
@@ -84,6 +85,9 @@ def main(comm) -> int:
     bytes_want = nd_cost.rank_bytes(cfg, layout, B, S, run.coords)
     static = nd_cost.rank_static_memory(cfg, layout, s)
     peak = nd_cost.rank_peak_memory(cfg, layout, s) if layout.reshard_after_forward else {}
+    peak = {k: v for k, v in peak.items() if layout.zero >= 2}  # ZeRO-2/3: transient state
+    if not (cfg.is_moe and layout.schedule == "zb-h1"):  # no formula for an MoE block's W stash
+        peak["activations"] = nd_cost.rank_peak_activations(cfg, layout, B, S, s)
     got_static = {k: run.memory["current"][k] for k in static}
     got_peak = {k: run.memory["peak"][k] for k in peak}
     for what, got, want in (("bytes", run.step_bytes[-1], bytes_want),
@@ -105,7 +109,7 @@ def main(comm) -> int:
                          sum(b.values())] for g, c, b, w, *_ in rows]))  # fmt: skip
     cats = ("params", "grads", "optimizer")
     print(format_table(["rank", *(f"static {x} ledger/formula" for x in cats),
-                        "peak params / grads (ZeRO-2/3)"],
+                        "peak [params; grads (ZeRO-2/3);] activations ledger/formula"],
                        [[g, *(f"{gs[x]} / {st[x]}" for x in cats),
                          "; ".join(f"{gp[x]} / {pk[x]}" for x in pk) or "-"]
                         for g, _, _, _, gs, st, gp, pk, *_ in rows]))  # fmt: skip
@@ -120,7 +124,7 @@ def main(comm) -> int:
     print(verdict(every, f"{layout} on all {comm.world_size} ranks, {ARGS.steps} steps vs the "
                   f"reference (rtol {RTOL:.0e}): loss {w['loss']:.1e}, grad {w['grad']:.1e}, "
                   f"param {w['param']:.1e}, own shards too; bytes by axis = formula on every rank "
-                  f"({total} B/step in all); static memory = formula"))  # fmt: skip
+                  f"({total} B/step in all); static memory and peak activations = formula"))  # fmt: skip
     return 0 if not every else 1
 
 

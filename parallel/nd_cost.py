@@ -21,12 +21,12 @@ import math
 
 from collectives import cost
 from emulator.config import param_shapes
-from emulator.precision import compute_dtype, master_dtype
+from emulator.precision import arith_dtype, compute_dtype, master_dtype
 from parallel.data.axis import layer_of, layer_units
 from parallel.data.cost import static_memory
 from parallel.data.cost import step_bytes as dp_step_bytes
 from parallel.data.flat import make_buckets, make_layout
-from parallel.pipeline.cost import boundary_bytes, peak_activation_bytes, unit_bytes
+from parallel.pipeline.cost import UnitBytes, boundary_bytes, peak_activation_bytes, unit_bytes
 from parallel.pipeline.executor import split_layers, stage_param_names
 from parallel.pipeline.schedules import make_schedule
 from parallel.tensor import cost as tp_cost
@@ -128,16 +128,41 @@ def rank_peak_memory(cfg, layout, s: int) -> dict:
     return peak
 
 
+def tp_unit_bytes(cfg, layout, sched, split, b: int, S: int):
+    """unit(s, c) -> UnitBytes of one micro-batch of chunk c on a TP rank of stage s: the
+    chunk's blocks x tensor/cost.block_activation_bytes, + the vocab-parallel embedding's cache
+    (owned-id indices int64 and mask: 9 b S) on u = 0, + the vocab-parallel head's on u = U-1:
+    LN xhat and rstd on S_l positions, the head's (gathered) input b S H, the local logits
+    b S V/t, the target indices and mask (9 b S), the max M (b S) and the summed exponentials,
+    kept as a row of the (2, b S) all-reduced buffer (2 b S), in the arithmetic dtype."""
+    t, sp = layout.tp, layout.sequence_parallel
+    a = compute_dtype(cfg.dtype).itemsize
+    r = arith_dtype(compute_dtype(cfg.dtype)).itemsize
+    N, S_l, H, U = b * S, (S // t if sp else S), cfg.d_model, sched.p * sched.v
+    block = tp_cost.block_activation_bytes(cfg, b, S, t, sp=sp, regather=layout.regather,
+                                           recompute=layout.recompute)  # fmt: skip
+    embed = 9 * N
+    head = a * b * S_l * H + r * b * S_l + a * N * H + a * N * cfg.vocab_size // t + 9 * N
+    head += 3 * r * N
+
+    def unit(s: int, c: int) -> UnitBytes:
+        u = sched.virtual(s, c)
+        last = head * (u == U - 1)
+        return UnitBytes(len(split[u]) * block + embed * (u == 0) + last, last)
+
+    return unit
+
+
 def rank_peak_activations(cfg, layout, B: int, S: int, s: int) -> int:
     """Peak activation bytes of stage s in a step: parallel/pipeline/cost.peak_activation_bytes
-    of the layout's schedule with each unit's bytes (its blocks x flops.activation_bytes_per_block
-    + the embedding's token ids + the head's cache), b = B / (D m) sequences per micro-batch.
-    tp = 1 only: the vocab-parallel embedding and head keep other caches, with no formula yet."""
-    if layout.tp > 1:
-        raise ValueError("rank_peak_activations: no closed form for the vocab-parallel "
-                         "embedding / head caches under tp > 1 yet")  # fmt: skip
+    of the layout's schedule with each unit's bytes - tp = 1: pipeline/cost.unit_bytes (blocks
+    x flops.activation_bytes_per_block + token ids + the head's cache); tp > 1: tp_unit_bytes -
+    with b = B / (D m) sequences per micro-batch."""
     sched = make_schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
     split = split_layers(cfg.n_layers, layout.pp * layout.chunks)
     b = B // (layout.dp * layout.microbatches)
-    unit = unit_bytes(cfg, sched, split, b, S, layout.recompute)
+    if layout.tp > 1:
+        unit = tp_unit_bytes(cfg, layout, sched, split, b, S)
+    else:
+        unit = unit_bytes(cfg, sched, split, b, S, layout.recompute)
     return peak_activation_bytes(sched, unit)[s]
