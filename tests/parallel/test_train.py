@@ -174,8 +174,9 @@ def test_layouts_drawn_from_the_space(world, data, zero, recompute, moe, broken)
           "prefetch": data.draw(st.booleans()), "reshard_after_forward": data.draw(st.booleans())}  # fmt: skip
     if broken == "world":
         kw["dp"] = dp + 1
-    elif broken == "batch":
-        B += 1
+    elif broken == "batch":  # an odd batch, an even dp x micro-batches
+        kw |= {"schedule": "1f1b", "chunks": 1, "microbatches": 2}
+        B = 2 * dp + 1
     elif broken == "chunks":
         kw |= {"schedule": "interleaved", "chunks": 5, "microbatches": pp}
     elif broken == "sp":
