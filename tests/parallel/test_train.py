@@ -184,7 +184,7 @@ def test_layouts_drawn_from_the_space(world, data, zero, recompute, moe, broken)
     elif broken == "zb":
         kw |= {"schedule": "zb-h1", "chunks": 1, "zero": 3}
     layout = Layout(**kw)
-    cfg = _cfg(L=4, experts=2 if moe else 0)
+    cfg = _cfg(L=4, A=4, experts=2 if moe else 0)  # 4 heads: tp 4 fits
     want = expected_problems(layout, world, cfg, B, 4)
     assert bool(want) == (broken is not None)
     if want:
