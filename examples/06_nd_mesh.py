@@ -129,4 +129,8 @@ def main(comm) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(emulator.launch(main, world_size=ARGS.dp * ARGS.pp * ARGS.tp))
+    lay, c, b, s, _ = setup()  # refuse a layout that cannot run before any rank starts
+    bad = lay.problems(lay.world, c, (b, s))
+    if bad:
+        p_.error(f"{lay} cannot run: " + "; ".join(bad))
+    sys.exit(emulator.launch(main, world_size=lay.world))

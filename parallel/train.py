@@ -60,16 +60,18 @@ class NDRun:
 
 
 def axis_bytes(ledger, records) -> dict:
-    """Bytes this rank sent in ``records``, by axis (the tag prefixes of AXIS_TAGS)."""
-    out = dict.fromkeys(AXIS_TAGS, 0)
+    """Bytes this rank sent in ``records``, by axis (the tag prefixes of AXIS_TAGS); traffic
+    under no axis's tag - none in a correct run - is added as "untagged"."""
+    out, other = dict.fromkeys(AXIS_TAGS, 0), 0
     for r in records:
         if r.direction != "send":
             continue
-        for axis, prefixes in AXIS_TAGS.items():
-            if r.tag.startswith(prefixes):
-                out[axis] += r.nbytes
-                break
-    return out
+        axis = next((a for a, pre in AXIS_TAGS.items() if r.tag.startswith(pre)), None)
+        if axis is None:
+            other += r.nbytes
+        else:
+            out[axis] += r.nbytes
+    return out | ({"untagged": other} if other else {})
 
 
 def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
