@@ -80,6 +80,8 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
     dtype (it replaces cfg.dtype). groups_fn(step, microbatch, b, S): MoE routing groups of a
     global micro-batch, as reference_train's; params: full-shape initial parameters (default
     init_params(cfg, seed)); sizes: explicit blocks per virtual stage."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise ValueError(f"steps={steps!r} must be an int >= 0")
     cfg = dataclasses.replace(cfg, dtype=layout.dtype)
     get = batches if callable(batches) else batches.__getitem__
     tokens0 = check_inputs(*get(0), cfg)[0] if steps > 0 else None

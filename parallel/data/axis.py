@@ -63,6 +63,7 @@ class DataAxis(Accumulate):
         self.reshard, self.prefetch, self.partial = reshard_after_forward, prefetch, partial
         self.D, self.statics, self.ddp, self.opt, self.engine = dp.size, [], None, None, None
         self.order: list = []
+        self.last_grads: dict = {}  # no step yet: no gradient
         if zero == 0:
             self.opt = AdamW(master, **hyper)
             if self.D > 1:
@@ -154,7 +155,8 @@ class DataAxis(Accumulate):
         """(master params, the last step's summed gradient before clipping): this rank's local
         arrays (gathered over dp under ZeRO, uncounted)."""
         if self.engine is not None:
-            return self.engine.master_params(), self.engine.full_grads()
+            grads = self.engine.full_grads() if self.engine.step_count else {}
+            return self.engine.master_params(), grads
         return {n: p.copy() for n, p in self.master.items()}, self.last_grads
 
     def close(self) -> None:
