@@ -36,6 +36,7 @@ from parallel.pipeline.schedules import make_schedule
 from parallel.tensor.block import megatron_plan
 from parallel.tensor.sequence import reduce_partial_grads
 from parallel.tensor.shard import shard, unshard
+from parallel.tensor.train import replica_mismatch
 
 AXIS_TAGS = {"dp": ("dp/grads", "dp/params"), "tp": ("tp/",), "pp": ("pp/",), "clip": ("dp/clip",)}
 
@@ -57,6 +58,7 @@ class NDRun:
     in_flight: int  # peak micro-batch units alive on this stage
     layouts: list  # the dp flat buffers (DDP buckets, ZeRO buckets or per-layer units)
     mesh: str  # Mesh.describe()
+    replica_mismatch: list  # "param/grad <name>" of tp-replicated tensors whose copies differ
 
 
 def axis_bytes(ledger, records) -> dict:
@@ -107,7 +109,7 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
     )  # fmt: skip
     try:
         run = NDRun(layout, dict(mesh.coords), [], [], {}, {}, {}, {}, [], {}, split, [], 0,
-                    axis.layouts, mesh.describe())  # fmt: skip
+                    axis.layouts, mesh.describe(), [])  # fmt: skip
         for step in range(steps):
             comm.ledger.step = step
             tokens, targets = check_inputs(*get(step), cfg)
@@ -135,6 +137,8 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
         lp, lg = axis.local_state()
         run.local_params, run.local_grads = lp, lg
         every = tp.allgather_object((lp, lg))  # uncounted: the check, not the training
+        # every tp rank computes the replicated tensors identically: their copies agree bitwise
+        run.replica_mismatch = replica_mismatch(every, plan) if lg else []
         stage_p = unshard([e[0] for e in every], plan)
         stage_g = unshard([e[1] for e in every], plan) if lg else {}
         for part_p, part_g in pp.allgather_object((stage_p, stage_g)):

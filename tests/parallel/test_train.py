@@ -14,11 +14,12 @@ from hypothesis import strategies as st
 
 import emulator
 import parallel
-from emulator.check import compare, compare_run
+from emulator.check import compare, compare_losses, compare_run
 from emulator.data import synthetic_batch
 from emulator.model import ModelConfig
 from emulator.reference import reference_train
 from parallel import Layout, nd_cost
+from parallel.check.tensor import compare_tp
 from parallel.data.axis import DataAxis
 from parallel.tensor.block import megatron_plan
 from parallel.tensor.shard import shard
@@ -59,6 +60,7 @@ def check_layout(layout, cfg, *, B=8, S=4, steps=2, max_norm=0.3, runner=None):
         assert not compare(run.local_params, want_p, RTOL, "param")[1], where
         assert not compare(run.local_grads, want_g, RTOL, "grad")[1], where
         assert run.losses == runs[0].losses  # every rank reports the same global loss
+        assert run.replica_mismatch == [], (where, run.replica_mismatch)
         want = nd_cost.rank_bytes(cfg, layout, B, S, run.coords)
         assert run.step_bytes == [want] * steps, (where, run.step_bytes[-1], want)
         static = nd_cost.rank_static_memory(cfg, layout, run.coords["pp"])
@@ -107,20 +109,29 @@ def test_schedules_on_a_3d_mesh(kw):
     check_layout(Layout(**kw), _cfg(), B=kw["dp"] * kw["microbatches"] * 2)
 
 
-def test_mixed_precision_runs_and_is_bitwise_reproducible():
-    """Lower precision: same layout twice gives the same bits (fixed reduction order)."""
+@pytest.mark.parametrize("moe", [False, True])
+def test_mixed_precision_by_tp_rules_and_bitwise_reproducible(moe):
+    """Lower precision: the measured same-dtype rules of parallel/check/tensor.compare_tp (dp x tp
+    bounds; the pipeline adds no arithmetic, ZeRO only the dp sum's order), replicas bitwise
+    equal across tp; and the same layout twice gives the same bits (fixed reduction order)."""
     layout = Layout(dp=2, pp=2, tp=2, zero=3, sequence_parallel=True, microbatches=2,
                     dtype="mixed")  # fmt: skip
-    cfg = dataclasses.replace(_cfg(), dtype="mixed")
+    cfg = dataclasses.replace(_cfg(experts=2 if moe else 0), dtype="mixed")
     batches = _batches(cfg, 8, 4)
 
     def main(comm):
-        return parallel.train(comm, layout, cfg, batches, 2, **HYPER)
+        return parallel.train(comm, layout, cfg, batches, 3, max_norm=0.3, **HYPER)
 
     a, b = (emulator.spawn(main, 8, timeout=120) for _ in range(2))
-    ref = reference_train(cfg, 0, batches, 2, microbatches=4, **HYPER)
-    assert np.allclose(a[0].losses, ref.losses, rtol=5e-4)
+    ref = reference_train(cfg, 0, batches, 3, microbatches=4, max_norm=0.3, **HYPER)
     for x, y in zip(a, b):
+        if moe:  # losses only: the K = E router's cancelling gradient drifts past TP's 0.12
+            # bound here (0.26 relative L2 at step 2 - as tp_train's own dp x tp DDP / ZeRO-1
+            # does with these hyper-parameters: a bound to re-measure, not a driver difference)
+            assert not compare_losses(x.losses, ref.losses, 4e-4)[1]
+        else:
+            _, problems, note = compare_tp(x, ref, "mixed")
+            assert not problems, (note, problems[:3])
         assert x.losses == y.losses
         assert all(np.array_equal(x.local_params[n], y.local_params[n]) for n in x.local_params)
 
