@@ -84,7 +84,7 @@ def main(comm) -> int:
     s = run.coords["pp"]
     bytes_want = nd_cost.rank_bytes(cfg, layout, B, S, run.coords)
     static = nd_cost.rank_static_memory(cfg, layout, s)
-    peak = nd_cost.rank_peak_memory(cfg, layout, s) if layout.reshard_after_forward else {}
+    peak = nd_cost.rank_peak_memory(cfg, layout, s)
     peak = {k: v for k, v in peak.items() if layout.zero >= 2}  # ZeRO-2/3: transient state
     if not (cfg.is_moe and layout.schedule == "zb-h1"):  # no formula for an MoE block's W stash
         peak["activations"] = nd_cost.rank_peak_activations(cfg, layout, B, S, s)

@@ -100,10 +100,12 @@ def rank_static_memory(cfg, layout, s: int) -> dict:
 
 
 def rank_peak_memory(cfg, layout, s: int) -> dict:
-    """Peak params / grads (ZeRO-2/3 with reshard_after_forward): the static state plus, for
-    grads (2, 3), one unit's transient full gradient (max padded c: one layer's backward at a
-    time), and for params (3) the gathered units - one at a time, or with prefetch a layer and
-    the next one of the same action (a chunk's layers, forward or backward order)."""
+    """Peak params / grads (ZeRO-2/3): the static state plus, for grads (2, 3), one unit's
+    transient full gradient (max padded c: one layer's backward at a time), and for params (3)
+    the gathered units - with reshard_after_forward one at a time, or with prefetch a layer and
+    the next one of the same action (a chunk's layers, forward or backward order); without it
+    a unit stays gathered from a forward until the next backward of its layer frees it, so the
+    peak follows the schedule (_replay_no_reshard)."""
     static = rank_static_memory(cfg, layout, s)
     peak = {"params": static["params"], "grads": static["grads"]}
     if layout.zero < 2:
@@ -112,12 +114,13 @@ def rank_peak_memory(cfg, layout, s: int) -> dict:
     lays = dp_layouts(cfg, layout, s)
     peak["grads"] += max(lay.padded for lay in lays) * c
     if layout.zero == 3:
+        size = {layer_of(lay.names[0]): lay.padded for lay in lays}
         if not layout.reshard_after_forward:
-            raise ValueError("rank_peak_memory: no closed form without reshard_after_forward")
-        live = max(lay.padded for lay in lays)
-        if layout.prefetch:  # consecutive layers of one chunk (an action runs one chunk)
+            live = _replay_no_reshard(cfg, layout, s, size)
+        else:
+            live = max(lay.padded for lay in lays)
+        if layout.prefetch and layout.reshard_after_forward:  # consecutive layers of a chunk
             split = split_layers(cfg.n_layers, layout.pp * layout.chunks)
-            size = {layer_of(lay.names[0]): lay.padded for lay in lays}
             U = layout.pp * layout.chunks
             for u in range(s, U, layout.pp):
                 order = ["embed"] * (u == 0) + [f"blocks.{i}" for i in split[u]]
@@ -125,6 +128,25 @@ def rank_peak_memory(cfg, layout, s: int) -> dict:
                 for a, z in itertools.pairwise(order):
                     live = max(live, size[a] + size[z])
         peak["params"] += live * c
+    return peak
+
+
+def _replay_no_reshard(cfg, layout, s: int, size: dict) -> int:
+    """Largest sum of gathered units on stage s over its action list without resharding: F
+    gathers each of its layers' units (if not already gathered; with prefetch also the next
+    layer's), B gathers likewise and frees each layer's unit after its backward."""
+    sched = make_schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+    split = split_layers(cfg.n_layers, layout.pp * layout.chunks)
+    U, live, peak = sched.p * sched.v, set(), 0
+    for a in sched.stages[s]:
+        u = sched.virtual(s, a.chunk)
+        order = ["embed"] * (u == 0) + [f"blocks.{i}" for i in split[u]] + ["head"] * (u == U - 1)
+        order = order if a.kind == "F" else order[::-1]
+        for k, layer in enumerate(order):
+            live |= {layer} | ({order[k + 1]} if layout.prefetch and k + 1 < len(order) else set())
+            peak = max(peak, sum(size[x] for x in live))
+            if a.kind == "B":
+                live.discard(layer)
     return peak
 
 

@@ -65,9 +65,8 @@ def check_layout(layout, cfg, *, B=8, S=4, steps=2, max_norm=0.3, runner=None):
         assert run.step_bytes == [want] * steps, (where, run.step_bytes[-1], want)
         static = nd_cost.rank_static_memory(cfg, layout, run.coords["pp"])
         assert {k: run.memory["current"][k] for k in static} == static, where
-        if layout.reshard_after_forward:
-            peak = nd_cost.rank_peak_memory(cfg, layout, run.coords["pp"])
-            assert {k: run.memory["peak"][k] for k in peak} == peak, where
+        peak = nd_cost.rank_peak_memory(cfg, layout, run.coords["pp"])
+        assert {k: run.memory["peak"][k] for k in peak} == peak, (where, run.memory["peak"], peak)
         if not (cfg.is_moe and layout.schedule == "zb-h1"):  # no MoE W-stash formula
             act = nd_cost.rank_peak_activations(cfg, layout, B, S, run.coords["pp"])
             assert run.memory["peak"]["activations"] == act, (where, run.memory["peak"], act)
