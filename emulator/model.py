@@ -75,9 +75,9 @@ def block_params(params, i: int):
     return {n[len(prefix) :]: a for n, a in params.items() if n.startswith(prefix)}
 
 
-def embed_forward(params, tokens):
-    """-> (x (B, S, H), cache)."""
-    return embedding_forward(tokens, params["embed.tok"], params["embed.pos"])
+def embed_forward(params, tokens, positions=None):
+    """-> (x (B, S, H), cache); positions: the columns' global positions (None = 0..S-1)."""
+    return embedding_forward(tokens, params["embed.tok"], params["embed.pos"], positions)
 
 
 def embed_backward(dx, cache):

@@ -21,22 +21,24 @@ GELU_C = math.sqrt(2.0 / math.pi)
 
 
 # ---- embedding: x = tok[tokens] + pos[:S] -------------------------------------------------------
-def embedding_forward(tokens, tok, pos):
-    """tokens (B, S) ints; tok (V, H); pos (T, H) -> x (B, S, H)."""
+def embedding_forward(tokens, tok, pos, positions=None):
+    """tokens (B, S) ints; tok (V, H); pos (T, H) -> x (B, S, H). ``positions`` (S,): the global
+    position of each column (context parallelism holds a subsequence); None = 0..S-1."""
     S = tokens.shape[1]
-    x = up(tok[tokens]) + up(pos[:S])  # (B, S, H)
-    return down(x, tok.dtype), (tokens, tok.shape, pos.shape, tok.dtype)
+    rows = pos[:S] if positions is None else pos[positions]  # (S, H)
+    x = up(tok[tokens]) + up(rows)  # (B, S, H)
+    return down(x, tok.dtype), (tokens, tok.shape, pos.shape, tok.dtype, positions)
 
 
 def embedding_backward(dx, cache):
     """-> (dtok (V, H), dpos (T, H)); there is no dx: token ids are not differentiable."""
-    tokens, tok_shape, pos_shape, dtype = cache
+    tokens, tok_shape, pos_shape, dtype, positions = cache
     B, S, H = dx.shape
     d = up(dx)
     dtok = np.zeros(tok_shape, d.dtype)
     np.add.at(dtok, tokens.reshape(-1), d.reshape(B * S, H))  # repeated ids accumulate
     dpos = np.zeros(pos_shape, d.dtype)
-    dpos[:S] = d.sum(axis=0)
+    dpos[slice(S) if positions is None else positions] = d.sum(axis=0)  # positions distinct
     return down(dtok, dtype), down(dpos, dtype)
 
 

@@ -20,7 +20,7 @@ import argparse
 import sys
 
 import emulator
-from emulator.check import verdict
+from emulator.check import compare_replicas, verdict
 from emulator.data import synthetic_batch
 from emulator.ledger import format_table
 from emulator.model import ModelConfig, n_params
@@ -49,6 +49,9 @@ p.add_argument("--bucket-cap-mb", type=float, default=0.01)
 p.add_argument("--no-reshard", action="store_true", help="ZeRO-3: reshard_after_forward=False")
 p.add_argument("--prefetch", action="store_true", help="ZeRO-3: forward/backward prefetch")
 args = p.parse_args()
+for _name in ("steps", "microbatches", "batch"):  # 0 or negative: refuse before any rank starts
+    if getattr(args, _name) < 1:
+        p.error(f"--{_name} must be >= 1, got {getattr(args, _name)}")
 
 MOE = {"n_experts": 4, "moe_top_k": 2} if args.moe else {}
 CFG = ModelConfig(vocab_size=32, max_seq_len=8, d_model=10, n_heads=2, n_layers=2,
@@ -82,6 +85,8 @@ def main(comm) -> int:
     ok = ok and all(sb[w] == (want_b[w],) * 2 for w in want_b)
     ok = ok and sb["grads"][0] + sb["params"][0] == fig[f"bytes k={k} (Psi_pad)"]
     rows = comm.gather_object((row, ok))
+    # every rank's replica, not rank 0's alone (uncounted): a rank that skipped a step shows
+    replicas = comm.gather_object({"losses": run.losses, "grads": run.grads, "params": run.params})
     ref = routing = None
     if comm.rank == 0:
         ref = reference_train(CFG, 0, batches, args.steps, microbatches=D * k, **TRAIN)
@@ -90,6 +95,8 @@ def main(comm) -> int:
     if comm.rank != 0:
         return 0
     _, problems, checked = compare_dp(run, ref, CFG.dtype, routing, CFG.moe_top_k)
+    problems += compare_replicas(replicas)
+    checked += f"; losses, grads, params bitwise identical on {D}/{D} ranks"
     c = fig["c"]
     print(f"stage {st}, D={D}, {CFG.dtype}{' MoE' if CFG.is_moe else ''}, k={k} micro-batches, "
           f"{len(run.layouts)} flat buffers; Psi={psi}, Psi_pad={pad} "

@@ -28,7 +28,7 @@ import sys
 import tempfile
 
 import emulator
-from emulator.check import compare_run, verdict
+from emulator.check import compare_replicas, compare_run, verdict
 from emulator.data import synthetic_batch
 from emulator.ledger import format_table
 from emulator.model import ModelConfig
@@ -64,6 +64,9 @@ p_.add_argument("--dtype", default="float64", choices=["float64", "float32", "mi
 p_.add_argument("--max-norm", type=float, default=1.0, help="clip norm (0: no clipping)")
 p_.add_argument("--trace", default=None, help="Chrome trace path (default: the temp dir)")
 ARGS = p_.parse_args()
+for _name in ("pp", "dp", "microbatches", "chunks", "steps"):  # 0 or negative: refuse up front
+    if getattr(ARGS, _name) < 1:
+        p_.error(f"--{_name} must be >= 1, got {getattr(ARGS, _name)}")
 if ARGS.dtype == "mixed" and ARGS.dp > 1:
     p_.error("--dtype mixed with --dp > 1 has no exact check here: the dp sum adds bf16 gradients "
              "in another order than the reference and AdamW turns the flipped signs of near-zero "
@@ -102,6 +105,8 @@ def main(comm) -> int:
     # every rank's view of its pp group: all dp replicas must show the same figures
     mine = (run.p2p, run.in_flight, run.act_peak, run.dp_bytes)
     views = comm.allgather_object(mine)
+    # and every rank's losses, grads and params (uncounted): dp replicas must agree bitwise
+    states = comm.gather_object({"losses": run.losses, "grads": run.grads, "params": run.params})
     if comm.rank:
         return 0
     # the reference in the same dtype (mixed: bf16 compute, fp32 master and Adam, as the run)
@@ -111,6 +116,7 @@ def main(comm) -> int:
     sched, p, fails = run.schedule, a.pp, list(problems)
     fails += [f"rank {r}'s replica differs from rank 0's: {x}" for r, x in enumerate(views)
               if x != mine]  # fmt: skip
+    fails += compare_replicas(states)
 
     # bubble: the executed per-stage orders replayed with F = B = W = 1 (B+W for unsplit)
     events = replay(sched, Cost(1, 1, 1), msg_bytes=b * S * cfg.d_model * cfg_item(cfg))

@@ -18,8 +18,9 @@ its historical "<layer>/mb<j>/<fwd|bwd>", tag="").
 Slots for the layers still to come: `cp` (context-parallel attention, issue 13) and `ep`
 (expert-parallel MoE, issue 12) are groups the Layout refuses above 1 until wired. Their drop-ins
 (parallel/context/, parallel/expert/) plug in as ``attention=(forward, backward)`` and
-``moe=(forward, backward)``: the blocks call them instead of emulator's attention / MoE (with
-emulator's signatures; bind the group and extra arguments with functools.partial).
+``moe=(forward, backward)``: passed to the blocks as emulator/block.py's ``attention=`` and
+``moe_fn=`` pairs (emulator's signatures; bind the group and extra arguments with
+functools.partial; parallel/context/ and parallel/expert/ build such pairs).
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ from emulator.model import (
     head_backward,
     head_forward,
 )
-from emulator.moe import moe_backward, moe_forward
-from emulator.ops import attention_backward, attention_forward
 from parallel.check.routing import decisions
 from parallel.pipeline.zero_bubble import block_backward_b, block_backward_w
 from parallel.tensor.block import tp_block_backward, tp_block_forward
@@ -70,25 +69,6 @@ class LayerContext:
             g = getattr(self, k)
             if g is not None and g.size > 1:
                 raise ValueError(f"LayerContext: {k} > 1 is not wired in yet (issues 12/13)")
-
-    @property
-    def ops(self):
-        """What the blocks call for attention / MoE: this context if it has a drop-in, else
-        None (emulator's functions, the reference's own code path)."""
-        return self if self.attention is not None or self.moe is not None else None
-
-    def attention_forward(self, q, k, v, n_heads, *, keep_probs=True):
-        fwd = attention_forward if self.attention is None else self.attention[0]
-        return fwd(q, k, v, n_heads, keep_probs=keep_probs)
-
-    def attention_backward(self, dout, cache):
-        return (attention_backward if self.attention is None else self.attention[1])(dout, cache)
-
-    def moe_forward(self, mp, m, groups, **kw):
-        return (moe_forward if self.moe is None else self.moe[0])(mp, m, groups, **kw)
-
-    def moe_backward(self, dy, cache, daux):
-        return (moe_backward if self.moe is None else self.moe[1])(dy, cache, daux)
 
     @property
     def t(self) -> int:
@@ -138,14 +118,14 @@ class LayerContext:
         """x (B, S_l, H) -> (x_out, cache); the MoE aux loss is cache["aux"]."""
         if self.tp is None:
             kw = {"recompute": recompute, "groups": groups, "mem": mem, "name": name}
-            return block_forward(bp, x, cfg, ops=self.ops, **kw)
+            return block_forward(bp, x, cfg, attention=self.attention, moe_fn=self.moe, **kw)
         if recompute == "full":
             raise ValueError("tensor parallel blocks support recompute 'none' or 'selective'")
         if self.moe is not None:
             raise ValueError("an MoE drop-in (expert parallelism) under tp > 1 is not wired yet")
         return tp_block_forward(self.tp, bp, x, cfg, sp=self.sp, regather=self.regather,
                                 keep_probs=recompute == "none", groups=groups, mem=mem,
-                                name=name, ops=self.ops)  # fmt: skip
+                                name=name, attention=self.attention)  # fmt: skip
 
     def block_backward(self, dx, cache, daux):
         """-> (dx_in (B, S_l, H), {local name: grad} in bp's order)."""

@@ -79,11 +79,12 @@ class Layout:
                        f"but the world has {world_size} ranks; {_fits(self, world_size)}")  # fmt: skip
         if self.cp > 1:
             bad.append(f"cp={self.cp}: context parallelism is not wired into parallel.train yet "
-                       f"(issue 13, parallel/context/); use cp=1")  # fmt: skip
+                       f"(issue 13); use cp=1, or parallel/context/train.py's cp_train for "
+                       f"cp x dp")  # fmt: skip
         if self.ep > 1:
             bad.append(f"ep={self.ep}: expert parallelism is not wired into parallel.train yet "
-                       f"(issue 12, parallel/expert/); use ep=1 (MoE experts replicated or "
-                       f"split over tp like the MLP)")  # fmt: skip
+                       f"(issue 12); use ep=1 (MoE experts replicated or split over tp like the "
+                       f"MLP), or parallel/expert/train.py's ep_train for ep x dp")  # fmt: skip
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             bad.append(f"zero={self.zero!r}: choose 0 (DDP), 1, 2 or 3")
         if self.dtype not in DTYPES:

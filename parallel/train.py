@@ -27,6 +27,7 @@ import dataclasses
 
 from emulator import scope
 from emulator.data import shard_batch, split_microbatches
+from emulator.guards import check_finite, check_training
 from emulator.model import check_inputs, init_params
 from emulator.precision import compute_dtype
 from parallel.data.axis import DataAxis
@@ -82,12 +83,11 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
     dtype (it replaces cfg.dtype). groups_fn(step, microbatch, b, S): MoE routing groups of a
     global micro-batch, as reference_train's; params: full-shape initial parameters (default
     init_params(cfg, seed)); sizes: explicit blocks per virtual stage."""
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-        raise ValueError(f"steps={steps!r} must be an int >= 0")
+    check_training("parallel.train", steps=steps, microbatches=layout.microbatches, lr=lr,
+                   betas=betas, eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
     cfg = dataclasses.replace(cfg, dtype=layout.dtype)
     get = batches if callable(batches) else batches.__getitem__
-    tokens0 = check_inputs(*get(0), cfg)[0] if steps > 0 else None
-    layout.validate(comm.world_size, cfg, None if tokens0 is None else tokens0.shape)
+    layout.validate(comm.world_size, cfg, check_inputs(*get(0), cfg)[0].shape)
     mesh = layout.mesh(comm)
     dp, pp, tp, m = mesh["dp"], mesh["pp"], mesh["tp"], layout.microbatches
     D, r, t = dp.size, dp.rank, tp.size
@@ -133,6 +133,9 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
             # the global loss: stage shares summed over pp, then dp (uncounted control plane)
             share = sum(pp.allgather_object(loss), 0.0)
             run.losses.append(sum(dp.allgather_object(share), 0.0))
+            # every rank holds the same global loss and norm: all raise at the same step
+            check_finite(step, rank=comm.rank, loss=run.losses[-1], grad_norm=run.grad_norms[-1],
+                         where="parallel.train")  # fmt: skip
             run.executed, run.in_flight = done, max(run.in_flight, peak)
         lp, lg = axis.local_state()
         run.local_params, run.local_grads = lp, lg

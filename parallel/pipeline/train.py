@@ -22,6 +22,7 @@ import dataclasses
 
 import emulator
 from emulator.data import shard_batch, split_microbatches
+from emulator.guards import check_finite, check_training
 from emulator.model import check_inputs, init_params
 from emulator.precision import compute_dtype
 from parallel.data.axis import DataAxis
@@ -57,6 +58,8 @@ def pipeline_train(where, cfg, seed, batches, steps, *, schedule="1f1b", microba
     groups of a global micro-batch (as reference_train's). Returns a PipelineRun on every rank,
     comparable with reference_train(cfg, seed, batches, steps, microbatches=D*m).
     """
+    check_training("pipeline_train", steps=steps, microbatches=microbatches, lr=lr, betas=betas,
+                   eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
     mesh = where if isinstance(where, emulator.Mesh) else None
     pp = mesh["pp"] if mesh else where
     dp = mesh["dp"] if mesh and "dp" in mesh.names else None
@@ -108,6 +111,7 @@ def pipeline_train(where, cfg, seed, batches, steps, *, schedule="1f1b", microba
         losses = pp.allgather_object(loss)
         total = sum(losses) if dp is None else sum(dp.allgather_object(sum(losses)))
         run.losses.append(total)
+        check_finite(step, rank=pp.rank, losses=losses, loss=total, where="pipeline: pp ranks")
     run.in_flight = pp.allgather_object(peak)
     run.act_peak = pp.allgather_object(mem.peak("activations"))
     sent = sum(x.nbytes for x in boundary if x.direction == "send" and x.group == pp.name)

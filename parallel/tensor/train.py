@@ -21,6 +21,7 @@ import numpy as np
 
 from emulator import Mesh, scope
 from emulator.data import split_microbatches
+from emulator.guards import check_finite, check_training
 from emulator.model import check_inputs, init_params, to_compute
 from emulator.precision import compute_dtype
 from parallel.data.common import Hooks, loss_scales
@@ -99,6 +100,8 @@ def tp_train(mesh, cfg, seed, batches, steps, *, sequence_parallel=False, regath
     (parallel/check/routing.py compares them with the reference's) and the replicated tensors
     whose copies differ across tp ranks (none in a correct run).
     """
+    check_training("tp_train", steps=steps, microbatches=microbatches, lr=lr, betas=betas,
+                   eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh, tp=mesh.world_size)
     tp, t, sp = mesh["tp"], mesh.size("tp"), sequence_parallel
     ctx = LayerContext(tp=tp, sp=sp, regather=regather, tag="")
@@ -144,6 +147,8 @@ def tp_train(mesh, cfg, seed, batches, steps, *, sequence_parallel=False, regath
                 acc = reduce_partial_grads(tp, acc)
         losses.append(sync.total_loss(shares))
         norms.append(sync.step(acc))
+        check_finite(step, rank=mesh.comm.rank, loss=losses[-1], grad_norm=norms[-1],
+                     where="tensor parallel")  # fmt: skip
     master, grads = sync.full_state()
     grads = acc if grads is None else grads
     every = tp.allgather_object((master, grads))  # uncounted: the check, not the training

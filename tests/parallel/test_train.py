@@ -206,17 +206,12 @@ def test_layouts_drawn_from_the_space(world, data, zero, recompute, moe, broken)
     check_layout(layout, cfg, B=B, S=4, steps=2)
 
 
-def test_zero_steps_return_the_initial_model_and_bad_steps_are_refused():
-    cfg = _cfg(L=2)
-    for zero in (0, 3):
-        layout = Layout(dp=2, pp=2, zero=zero)
-        runs = emulator.spawn(
-            lambda c, lay=layout: parallel.train(c, lay, cfg, _batches(cfg, 4, 4), 0), 4
-        )
-        ref = reference_train(cfg, 0, _batches(cfg, 4, 4), 0)
-        assert runs[0].losses == [] and not compare_run(runs[0], ref, 0.0)[1]
-    with pytest.raises(ValueError, match="steps=-1"):
-        emulator.spawn(lambda c: parallel.train(c, Layout(), cfg, _batches(cfg, 4, 4), -1), 1)
+def test_bad_steps_and_hyper_parameters_are_refused_by_name():
+    cfg, run = _cfg(L=2), lambda **kw: lambda c: parallel.train(c, Layout(), cfg, _batches(cfg, 4, 4),
+                                                                 **kw)  # fmt: skip
+    for kw, match in (({"steps": 0}, "steps=0"), ({"steps": 1, "lr": float("nan")}, "lr")):
+        with pytest.raises(ValueError, match=match):
+            emulator.spawn(run(**kw), 1)
 
 
 # ---- the checks can fail ---------------------------------------------------------------------

@@ -1,8 +1,11 @@
-"""Hypothesis profiles: "ci" (CI=true) keeps the suite within its time budget on 2 cores."""
+"""pytest for the whole repository: the kit's fixtures, and the hypothesis profiles ("ci" when
+CI is set keeps the suite within its time budget on 2 cores)."""
 
 import os
 
 from hypothesis import HealthCheck, settings
+
+pytest_plugins = ["parallel.testing.world"]  # the virtual_world fixture, as a user loads it
 
 settings.register_profile(
     "ci",

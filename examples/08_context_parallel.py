@@ -1,0 +1,231 @@
+"""Context parallelism - ring attention, all-gather K/V, Ulysses - checked against the reference.
+
+    python -m emulator run -n 4 examples/08_context_parallel.py --cp 4 --method ring --balance zigzag
+    python -m emulator run -n 4 examples/08_context_parallel.py --cp 4 --method all-gather
+    python -m emulator run -n 4 examples/08_context_parallel.py --cp 4 --method ulysses
+    python -m emulator run -n 4 examples/08_context_parallel.py --cp 2 --dp 2 --moe
+    python -m emulator run -n 2 examples/08_context_parallel.py --cp 2 --balance contiguous
+    mpiexec -n 4 python examples/08_context_parallel.py --cp 4
+
+Every sequence is split over the cp ranks (contiguous, or zigzag: rank r holds chunks r and
+2cp-1-r of 2cp); everything outside attention runs on the local tokens, the position embedding
+takes the rows of their global positions, and the weights' gradients are summed over dp x cp.
+Trains --steps steps with --method and checks loss, every gradient and the parameters against
+emulator.reference.reference_train (float64, 1e-12). Then, on the cp group, runs one attention
+layer of each method on random q, k, v (the training micro-batch's shape) and checks each rank's
+output against the single-rank emulator.ops attention. Printed: the positions each rank holds;
+the ring's work per rank per step, contiguous vs zigzag (ledger of computed blocks == work.py);
+bytes per rank per layer forward and backward of all three methods beside their formulas
+(parallel/context/cost.py); the attention cache and the block activations per rank beside
+theirs; the verdict. Exits 1 on any mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+import emulator
+from emulator.check import compare_run, verdict
+from emulator.data import synthetic_batch
+from emulator.ledger import format_table
+from emulator.model import ModelConfig
+from emulator.ops import attention_backward, attention_forward
+from emulator.reference import reference_train
+from parallel.context import cost, layout, work
+from parallel.context.attention import (
+    METHODS,
+    cache_nbytes,
+    cp_attention_backward,
+    cp_attention_forward,
+)
+from parallel.context.train import cp_mesh, cp_train, routing_groups
+from parallel.context.ulysses import check_heads
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cp", type=int, default=4)
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--method", choices=METHODS, default="ring")
+    p.add_argument("--balance", choices=layout.BALANCES, default="zigzag")
+    p.add_argument("--seq", type=int, default=32, help="sequence length S")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    p.add_argument("--moe", action="store_true", help="MoE blocks: a routing group per cp rank")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--microbatches", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def attention_alone(cp_comm, method, b, S, H, A, balance, keep):
+    """One layer of `method` on random inputs: (max |diff| vs ops, fwd bytes, bwd bytes,
+    cache bytes, ring work) of this rank."""
+    rng = np.random.default_rng(1)
+    q, k, v, do = (rng.standard_normal((b, S, H)) for _ in range(4))  # same on every rank
+    o_ref, c = attention_forward(q, k, v, A)
+    g_ref = attention_backward(do, c)
+    tab = layout.table(S, cp_comm.size, balance)
+    p, L = tab[cp_comm.rank], cp_comm.ledger
+    mark = L.mark()
+    o, cache = cp_attention_forward(cp_comm, q[:, p], k[:, p], v[:, p], A, positions=tab,
+                                    method=method, keep_probs=keep)  # fmt: skip
+    held = cache_nbytes(cache)
+    g = cp_attention_backward(do[:, p], cache)
+    diff = max(np.abs(x - y[:, p]).max() for x, y in zip((o, *g), (o_ref, *g_ref)))
+    recs = L.since(mark)
+    fb = [(L.sent(recs, tag=f"cp-attn/{d}"), L.received(recs, tag=f"cp-attn/{d}")) for d in
+          ("fwd", "bwd")]  # fmt: skip
+    return float(diff), fb[0], fb[1], held, cache["inner"].get("work")
+
+
+def make_main(a):
+    S, C, D, k = a.seq, a.cp, a.dp, a.microbatches
+    cfg = ModelConfig(vocab_size=32, max_seq_len=S, d_model=32, n_heads=8, n_layers=2, d_ff=64,
+                      n_experts=4 if a.moe else 0, moe_top_k=2)  # fmt: skip
+    B = 2 * D * k
+    b, H, A, nl = B // (D * k), cfg.d_model, cfg.n_heads, cfg.n_layers
+    methods = [m for m in METHODS if m != "ulysses" or A % C == 0]
+
+    def batches(step):
+        return synthetic_batch(11, step, B, S, cfg.vocab_size)
+
+    def main(comm) -> int:
+        if comm.size != C * D:
+            raise ValueError(f"08: the world has {comm.size} ranks but --cp {C} x --dp {D} = "
+                             f"{C * D}; run with -n {C * D}")  # fmt: skip
+        mesh = cp_mesh(comm, C)
+        c, tab = mesh.coord("cp"), layout.table(S, C, a.balance)
+        groups_fn = (lambda st, mb, bb, ss: routing_groups(bb, ss, tab)) if a.moe else None
+        ref = reference_train(cfg, 0, batches, a.steps, microbatches=D * k, groups_fn=groups_fn,
+                              recompute=a.recompute, max_norm=1.0)  # fmt: skip
+        run = cp_train(comm, cfg, 0, batches, a.steps, cp=C, method=a.method, balance=a.balance,
+                       microbatches=k, recompute=a.recompute, max_norm=1.0)  # fmt: skip
+        worst, problems = compare_run(run, ref, 1e-12)
+        want = cost.attention_bytes(a.method, b, S, H, A, C, 8)
+        fwd = nl * k * want["forward"] * (2 if a.recompute == "full" else 1)
+        bwd = nl * k * want["backward"]
+        for s, got in enumerate(run.step_bytes):
+            if got["fwd"] != (fwd, fwd) or got["bwd"] != (bwd, bwd):
+                problems.append(f"rank {comm.rank} step {s}: attention bytes {got} != {fwd}/{bwd}")
+        act = cost.block_activation_bytes(cfg, a.method, b, S, C, recompute=a.recompute,
+                                          balance=a.balance, rank=c)  # fmt: skip
+        if set(run.act_bytes.values()) != {act}:
+            problems.append(f"rank {comm.rank}: block activations {run.act_bytes} != {act}")
+        alone = {}
+        for m in methods:
+            for bal in layout.BALANCES:
+                for keep in (True, False):
+                    r = alone[m, bal, keep] = attention_alone(mesh["cp"], m, b, S, H, A, bal, keep)
+                    problems += check_alone(m, bal, keep, r, c, comm.rank)
+        every = comm.allgather_object((comm.rank, mesh.coords, alone, problems, run.act_bytes))
+        if comm.rank == 0:
+            report(every)
+            failures = list(dict.fromkeys(x for e in every for x in e[3]))
+            for x in failures:
+                print("MISMATCH:", x)
+            attn = max(r[0] for e in every for r in e[2].values())
+            print(verdict(failures, f"cp={C} dp={D} {a.method} {a.balance}"
+                          f"{' moe' if a.moe else ''} recompute={a.recompute}: loss/grads/params "
+                          f"vs reference {max(worst.values()):.1e}; attention alone vs ops "
+                          f"{attn:.1e} ({len(methods)} methods x 2 balancings x keep/recompute); "
+                          f"bytes per layer fwd/bwd, ring work, attention cache and block "
+                          f"activations == formulas on {len(every)} ranks"))  # fmt: skip
+        return 0 if not problems else 1
+
+    def check_alone(m, bal, keep, r, c, rank):
+        diff, f, bw, held, steps = r
+        want = cost.attention_bytes(m, b, S, H, A, C, 8)
+        held_want = cost.cache_nbytes(m, b, S, H, A, C, 8, keep_probs=keep, balance=bal, rank=c)
+        where = f"rank {rank} {m} {bal} keep_probs={keep}"
+        bad = [f"{where}: attention vs ops {diff:.2e} > 1e-12"] if not diff <= 1e-12 else []
+        if f != (want["forward"],) * 2 or bw != (want["backward"],) * 2:
+            bad.append(f"{where}: bytes {f}/{bw} != {want}")
+        if held != held_want:
+            bad.append(f"{where}: cache {held} != {held_want}")
+        if m == "ring" and [(x[1], x[2]) for x in steps] != work.steps(S, C, bal)[c]:
+            bad.append(f"{where}: ring work {steps} != work.py {work.steps(S, C, bal)[c]}")
+        return bad
+
+    def report(every):
+        print(f"mesh dp={D} x cp={C}; model H={H} A={A} L={nl} F={cfg.d_ff}"
+              f"{' MoE E=4 K=2' if a.moe else ''}, float64; micro-batch b={b} S={S}, k={k}; "
+              f"training: {a.method}, {a.balance}, recompute={a.recompute}")  # fmt: skip
+        print("\nglobal positions each cp rank holds")
+        rows = [[bal, r, " ".join(map(str, layout.positions(S, C, r, bal)))]
+                for bal in layout.BALANCES for r in range(C)]  # fmt: skip
+        print(format_table(["balance", "cp rank", "positions"], rows))
+        S_l = S // C
+        print(f"\nring attention work per rank per step, in blocks of S_local^2 = {S_l * S_l} score"
+              f" entries per (batch, head); 0 = fully masked, skipped (ledger == work.py)")  # fmt: skip
+        for bal in layout.BALANCES:
+            sm, got = work.summary(S, C, bal), {}
+            for _, coords, alone, _, _ in every:
+                got[coords["cp"]] = [x[1] * x[2] for x in alone["ring", bal, True][4]]
+            rows = [[r, *(_frac(e, S_l * S_l) for e in got[r]), _frac(sum(got[r]), S_l * S_l),
+                     sm["skipped"][r], "yes" if got[r] == sm["entries"][r] else "NO"]
+                    for r in range(C)]  # fmt: skip
+            head = ["cp rank", *(f"step {t}" for t in range(C)), "total", "skipped", "== formula"]
+            print(f"{bal}: critical path {_frac(sm['critical_path'], S_l * S_l)} blocks, "
+                  f"max/mean {sm['imbalance']:.2f}")  # fmt: skip
+            print(format_table(head, rows))
+        print(f"all-gather and Ulysses compute every score entry of their rows, masked ones too (as"
+              f" emulator.ops does): S_local x S per head per rank = {C} blocks, balanced by "
+              f"construction")  # fmt: skip
+        print(f"\nbytes per rank per layer (micro-batch b={b}, S={S}, H={H}, x=y=8 B), sent = "
+              f"received, every rank; ledger / formula")  # fmt: skip
+        rows = []
+        for m in methods:
+            want = cost.attention_bytes(m, b, S, H, A, C, 8)
+            got = {(e[2][m, a.balance, True][1], e[2][m, a.balance, True][2]) for e in every}
+            (f, bw), *rest = sorted(got)
+            same = "" if not rest else " (ranks differ!)"
+            rows.append([m, f"{f[0]}{same}", want["forward"], cost.FORMULAS[m][0], bw[0],
+                         want["backward"], cost.FORMULAS[m][1]])  # fmt: skip
+        print(format_table(["method", "fwd", "formula", "fwd formula", "bwd", "formula",
+                            "bwd formula"], rows))  # fmt: skip
+        print(f"\nattention cache per cp rank, {a.balance}: bytes kept for the backward (ledger == "
+              f"cost.cache_nbytes); single-rank ops attention: {8 * b * S * (3 * H + A * S)} / "
+              f"{24 * b * S * H}")  # fmt: skip
+        rows = []
+        for m in methods:
+            for keep in (True, False):
+                held = {e[1]["cp"]: e[2][m, a.balance, keep][3] for e in every if not e[1]["dp"]}
+                rows.append([m, "keep" if keep else "recompute", *(held[r] for r in range(C))])
+        print(format_table(["method", "probs", *(f"cp {r}" for r in range(C))], rows))
+        rows = [[e[0], e[1]["cp"], " ".join(map(str, sorted(set(e[4].values())))),
+                 cost.block_activation_bytes(cfg, a.method, b, S, C, recompute=a.recompute,
+                                             balance=a.balance, rank=e[1]["cp"])]
+                for e in every]  # fmt: skip
+        print(f"\ntraining run ({a.method}, recompute={a.recompute}): activation bytes per block")
+        print(format_table(["rank", "cp rank", "ledger", "cost.block_activation_bytes"], rows))
+
+    return main
+
+
+def _frac(n: int, unit: int) -> str:
+    """n / unit as '3', '1/2', '5/2' or '0'."""
+    from fractions import Fraction
+
+    f = Fraction(n, unit)
+    return str(f.numerator) if f.denominator == 1 else f"{f.numerator}/{f.denominator}"
+
+
+def check_args(a) -> None:
+    """Bad flags -> one clear line before any rank starts."""
+    layout.check(a.seq, a.cp, a.balance)
+    if a.method == "ulysses":
+        check_heads(8, a.cp)
+    if a.dp < 1 or a.microbatches < 1 or a.steps < 1:
+        raise ValueError("--dp, --microbatches and --steps must be >= 1")
+
+
+if __name__ == "__main__":
+    args = parse()
+    try:
+        check_args(args)
+    except ValueError as e:
+        print(f"08_context_parallel.py: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(emulator.launch(make_main(args), world_size=args.cp * args.dp))

@@ -1,0 +1,88 @@
+"""Which global sequence positions each context-parallel rank holds.
+
+Shape letters: B batch, S sequence (global), C = cp ranks, S_local = S / C.
+
+  contiguous  rank r holds positions [r S/C, (r+1) S/C). Under a causal mask rank r's queries see
+              r + 1/2 blocks of keys, so the last rank does ~2C-1 times the first rank's work.
+  zigzag      the sequence is cut into 2C chunks of S/(2C); rank r holds chunks r and 2C-1-r
+              (an early chunk and its mirror), so every rank sees the same number of keys.
+              This is the load balancing of Brandon et al. 2023 ("Striped Attention", which
+              stripes single tokens; the two-chunk zigzag is the variant Megatron-LM CP and
+              ring-flash-attention use).
+
+A rank's positions are kept in increasing order, so its local tokens are a sorted subsequence
+of the global sequence; the table of every rank's positions (C, S_local) is static metadata
+every rank computes identically (no communication).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BALANCES = ("contiguous", "zigzag")
+
+
+def check(S: int, cp: int, balance: str) -> None:
+    """Clear errors for a split that cannot be made."""
+    if balance not in BALANCES:
+        raise ValueError(f"context parallel: balance={balance!r} must be one of {BALANCES}")
+    if not isinstance(cp, (int, np.integer)) or cp < 1:
+        raise ValueError(f"context parallel: cp={cp!r} must be a positive integer")
+    parts = 2 * cp if balance == "zigzag" else cp
+    if S < 1 or S % parts:
+        why = "2 cp chunks (zigzag)" if balance == "zigzag" else "cp chunks"
+        raise ValueError(
+            f"context parallel: sequence length S={S} does not split into {parts} equal "
+            f"{why} for cp={cp}; use S divisible by {parts}"
+            + (" or balance='contiguous'" if balance == "zigzag" and S % cp == 0 else "")
+        )
+
+
+def positions(S: int, cp: int, rank: int, balance: str = "zigzag") -> np.ndarray:
+    """The global positions rank `rank` of `cp` holds, increasing -> (S_local,) int64."""
+    check(S, cp, balance)
+    if not 0 <= rank < cp:
+        raise ValueError(f"context parallel: rank {rank} is not in 0..{cp - 1}")
+    if balance == "contiguous":
+        n = S // cp
+        return np.arange(rank * n, (rank + 1) * n, dtype=np.int64)
+    c = S // (2 * cp)  # chunk length
+    first, mirror = rank, 2 * cp - 1 - rank
+    return np.concatenate(
+        [np.arange(first * c, (first + 1) * c), np.arange(mirror * c, (mirror + 1) * c)]
+    ).astype(np.int64)
+
+
+def table(S: int, cp: int, balance: str = "zigzag") -> np.ndarray:
+    """Every rank's positions -> (C, S_local) int64; row r is positions(S, cp, r, balance)."""
+    return np.stack([positions(S, cp, r, balance) for r in range(cp)])
+
+
+def check_table(pos, cp: int, s_local: int) -> np.ndarray:
+    """The positions table an attention call is given: (C, S_local) integers that are a
+    permutation of 0..S-1 (every position on exactly one rank)."""
+    pos = np.asarray(pos)
+    if pos.dtype.kind not in "iu" or pos.shape != (cp, s_local):
+        raise ValueError(
+            f"context parallel: positions must be the ({cp}, {s_local}) integer table of every "
+            f"cp rank's global positions (layout.table(S, cp, balance)); got "
+            f"{pos.dtype}{list(pos.shape)}"
+        )
+    if not np.array_equal(np.sort(pos, axis=None), np.arange(pos.size)):
+        raise ValueError(
+            "context parallel: the positions table is not a permutation of 0..S-1; every "
+            "global position must be held by exactly one cp rank"
+        )
+    return pos.astype(np.int64, copy=False)
+
+
+def shard(x, pos_r, axis: int = 1):
+    """Rank r's local slice of a global (B, S, ...) array: x[:, pos_r]."""
+    return np.take(x, pos_r, axis=axis)
+
+
+def unshard(parts, pos, axis: int = 1):
+    """The global array from every rank's local slice (parts[r] holds positions pos[r])."""
+    cat = np.concatenate(parts, axis=axis)
+    inv = np.argsort(np.concatenate(list(pos)))  # global position -> index in cat
+    return np.take(cat, inv, axis=axis)
