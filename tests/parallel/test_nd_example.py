@@ -35,3 +35,20 @@ def test_virtual_and_mpi_runs_agree_bitwise():
     if mpiexec is None:
         pytest.skip("no mpiexec")
     assert _run([mpiexec, "-n", "8", sys.executable, str(SCRIPT), *ARGS]) == first
+
+
+def test_the_example_fails_on_a_wrong_formula():
+    """Planted: the pp formula off by one byte -> every rank's check fails, exit code 1."""
+    code = (
+        "import runpy, sys\n"
+        "import parallel.nd_cost as c\n"
+        "f = c.rank_bytes\n"
+        "c.rank_bytes = lambda *a: {**f(*a), 'pp': f(*a)['pp'] + 1}\n"
+        "sys.argv = ['06', '--dp', '2', '--pp', '2', '--tp', '1']\n"
+        f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                          text=True, timeout=600, env=env, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-1500:] + proc.stderr[-1500:]
+    assert "VERDICT: FAIL" in proc.stdout and "bytes pp" in proc.stdout
