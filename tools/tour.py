@@ -48,6 +48,13 @@ RUNS = [
     ("05_pipeline.py", 4, ["--pp", "4", "--microbatches", "2", "--schedule", "zb-h1"]),
     ("05_pipeline.py", 4, ["--dtype", "mixed", "--max-norm", "0", "--schedule", "interleaved"]),
     ("05_pipeline.py", 4, ["--pp", "2", "--dp", "2", "--schedule", "1f1b", "--svg", "pp.svg"]),
+    ("06_nd_mesh.py", 8, ["--dp", "2", "--pp", "2", "--tp", "2", "--zero", "1"]),
+    (
+        "06_nd_mesh.py",
+        8,
+        ["--dp", "2", "--pp", "2", "--tp", "2", "--zero", "3", "--sequence-parallel"],
+    ),
+    ("06_nd_mesh.py", 8, ["--zero", "2", "--schedule", "interleaved", "--chunks", "2", "--moe"]),
     ("07_expert_parallel.py", 4, ["--ep", "4", "--experts", "8", "--top-k", "2"]),
     ("07_expert_parallel.py", 4, ["--ep", "4", "--dispatch", "padded"]),
     ("07_expert_parallel.py", 8, ["--dp", "2", "--ep", "4", "--top-k", "3", "--grad-sync", "ddp"]),

@@ -9,7 +9,6 @@ groups_fn(step, r k + j, B_mb, S), exactly what reference_train calls for that m
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 from emulator.data import shard_batch, split_microbatches
@@ -18,11 +17,13 @@ from emulator.model import check_inputs, init_params, to_compute
 from emulator.optim import AdamW
 from emulator.precision import compute_dtype
 from parallel.clip import clip_
-from parallel.data.common import loss_scales, microbatch_step
+from parallel.data.common import loss_scales
 from parallel.data.ddp import DDP
 from parallel.data.flat import fsdp_units
 from parallel.data.fsdp import FSDPHooks, ReplicatedHooks
 from parallel.data.zero import ZeroOptimizer, check_stage
+from parallel.pipeline.executor import OneStage, run_schedule
+from parallel.pipeline.schedules import make_schedule
 
 
 @dataclasses.dataclass
@@ -124,17 +125,22 @@ def _step(comm, cfg, engine, opt, params, run, step, batches, k, groups_fn, max_
                           prefetch=prefetch)  # fmt: skip
     else:  # DDP computes with the compute-dtype copy of the (updated) master
         hooks = ReplicatedHooks(to_compute(params, cfg) if opt else engine.params, engine)
-    shares, routing = [], [[] for _ in mbs]
-    for j, (t, y) in enumerate(mbs):
-        ce_denom, aux_scale = loss_scales(tokens.size, n_groups[r * k + j], sum(n_groups))
-        last = j == k - 1
-        ctx = engine.no_sync() if stage == "ddp" and not last else contextlib.nullcontext()
-        with ctx:
-            shares.append(microbatch_step(
-                hooks, t, y, cfg, ce_denom=ce_denom, aux_scale=aux_scale,
-                groups=groups[r * k + j], recompute=recompute, mem=mem, mem_prefix=f"mb{j}.",
-                routing=routing[j],
-            ))  # fmt: skip
+    if stage == "ddp":  # no_sync for the first k-1 micro-batches: one all-reduce per step
+        hooks.sync_at = k - 1
+    mb_losses, routes = {}, {}
+    try:  # the one model driver: a single stage running F0 B0 F1 B1 ... (1F1B on p = 1)
+        run_schedule(OneStage(), make_schedule("1f1b", 1, k), [list(range(cfg.n_layers))], None,
+                     mbs, cfg, ce_denom=tokens.size,
+                     aux_scales=[loss_scales(tokens.size, n_groups[r * k + j], sum(n_groups))[1]
+                                 for j in range(k)],
+                     groups=groups[r * k : (r + 1) * k], recompute=recompute, mem=mem,
+                     hooks=hooks, dtype=compute_dtype(cfg.dtype), mb_losses=mb_losses,
+                     routing=routes, io_activations=False)  # fmt: skip
+    finally:
+        if stage == "ddp":
+            engine.sync = True
+    shares = [mb_losses[j] for j in range(k)]
+    routing = [routes.get(j, []) for j in range(k)]
     if cfg.is_moe:  # every micro-batch's routing, in the reference's order r k + j (uncounted)
         run.routing.append([mb for every in comm.allgather_object(routing) for mb in every])
     total, every = 0.0, comm.allgather_object(shares)
