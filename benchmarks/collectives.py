@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from tools import args as cli
+
 MiB = 1 << 20
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -216,21 +218,34 @@ def bench_virtual(args) -> int:
     return 0
 
 
+def ops_flag(text: str) -> str:
+    ops = [o.strip() for o in text.split(",") if o.strip()]
+    if not ops or any(o not in OPS for o in ops):
+        raise argparse.ArgumentTypeError(f"got {text!r}; need a comma-separated list from {OPS}")
+    return text
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="bench collectives", description=__doc__.splitlines()[0])
-    ap.add_argument("--min", type=int, default=4 * 1024, help="smallest message in bytes")
-    ap.add_argument("--max", type=int, default=64 * MiB, help="largest message in bytes")
+    ap = cli.parser(__doc__, prog="python -m emulator bench collectives")
+    ap.add_argument("--min", type=cli.positive_int, default=4 * 1024, help="smallest message, B")
+    ap.add_argument("--max", type=cli.positive_int, default=64 * MiB, help="largest message, B")
     ap.add_argument(
         "--algorithm",
         default="ring",
         choices=["ring", "tree", "double_tree", "auto"],
         help="all-reduce algorithm (reduce-scatter and all-gather are ring)",
     )
-    ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, from {OPS}")
-    ap.add_argument("--ranks", type=int, default=8, help="virtual ranks for the table")
-    ap.add_argument("--many", type=int, default=256, help="virtual ranks for the small case")
-    ap.add_argument("--budget", type=int, default=512 * MiB, help="bytes per size (iterations)")
+    ap.add_argument(
+        "--ops", type=ops_flag, default=",".join(OPS), help=f"comma-separated, from {OPS}"
+    )
+    ap.add_argument("--ranks", type=cli.ranks_flag, default=8, help="virtual ranks for the table")
+    ap.add_argument("--many", type=cli.ranks_flag, default=256, help="ranks for the small case")
+    ap.add_argument("--budget", type=cli.positive_int, default=512 * MiB,
+                    help="bytes moved per size (sets the iterations)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.max < args.min:
+        ap.error(f"argument --max: {args.max} is below --min {args.min}; the table would be "
+                 "empty (need --max >= --min)")  # fmt: skip
     from emulator import under_mpi
 
     return bench_mpi(args) if under_mpi() else bench_virtual(args)

@@ -6,7 +6,6 @@ Wired as ``python -m emulator bench model``; also ``python -m benchmarks.model``
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -17,6 +16,8 @@ from emulator.data import synthetic_batch
 from emulator.flops import step_flops
 from emulator.model import ModelConfig, init_params, model_backward, model_forward, n_params
 from emulator.optim import AdamW
+from emulator.precision import DTYPES
+from tools import args as cli
 
 SHAPE = {"vocab_size": 512, "max_seq_len": 128, "d_model": 256, "n_heads": 4, "n_layers": 4}
 
@@ -60,10 +61,10 @@ def time_step(dtype: str, batch: int, repeats: int, recompute: str = "none") -> 
 
 
 def bench_model(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m emulator bench model", description=__doc__)
-    ap.add_argument("--dtype", nargs="+", default=["float32", "float64"])
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = cli.parser(__doc__, prog="python -m emulator bench model")
+    ap.add_argument("--dtype", nargs="+", default=["float32", "float64"], choices=DTYPES)
+    ap.add_argument("--batch", type=cli.positive_int, default=8)
+    ap.add_argument("--repeats", type=cli.positive_int, default=3, help="timed steps (best of)")
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     args = ap.parse_args(argv)
     print(blas_info())

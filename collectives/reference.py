@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cost import chunk_counts, offsets
 from .ops import is_bf16
 
 
@@ -33,9 +32,8 @@ def all_reduce(xs, op="sum"):
 
 def reduce_scatter(xs, op="sum"):
     """Reduce, then rank r keeps rows chunk r of axis 0 (np.array_split: first n % R get +1)."""
-    full = reduce_all(xs, op)
-    off = offsets(chunk_counts(full.shape[0], len(xs)))
-    return [full[off[r] : off[r + 1]] for r in range(len(xs))]
+    # np.array_split itself, not cost.chunk_counts: the oracle must not share the code it checks
+    return np.array_split(reduce_all(xs, op), len(xs), axis=0)
 
 
 def all_gather(xs):

@@ -27,10 +27,11 @@ from emulator.ops import (
 from emulator.precision import add, down, up
 
 RECOMPUTE = ("none", "selective", "full")
-ATTENTION = (attention_forward, attention_backward)  # the single-rank core
+ATTENTION = (attention_forward, attention_backward)  # the single-rank core (default attention=)
+MOE = (moe_forward, moe_backward)  # the single-rank MoE block (the default of moe_fn=)
 
 
-def _forward(bp, x, cfg, groups, keep_probs, attention):
+def _forward(bp, x, cfg, groups, keep_probs, attention, moe_fn):
     """-> (x_out, aux, cache). The computation shared by every mode."""
     c = {}
     a, c["ln1"] = layernorm_forward(x, bp["ln1.gain"], bp["ln1.bias"], cfg.ln_eps)  # (B, S, H)
@@ -45,7 +46,7 @@ def _forward(bp, x, cfg, groups, keep_probs, attention):
     if cfg.is_moe:
         mp = {n[4:]: bp[n] for n in ("moe.router", "moe.w1", "moe.b1", "moe.w2", "moe.b2")}
         kw = {"top_k": cfg.moe_top_k, "capacity_factor": cfg.capacity_factor}
-        y, aux, c["moe"] = moe_forward(mp, m, groups, **kw)
+        y, aux, c["moe"] = moe_fn[0](mp, m, groups, **kw)
     else:
         z, c["w1"] = linear_forward(m, bp["mlp.w1"], bp["mlp.b1"])  # (B, S, F)
         h, c["gelu"] = gelu_forward(z)
@@ -55,11 +56,13 @@ def _forward(bp, x, cfg, groups, keep_probs, attention):
 
 
 def block_forward(bp, x, cfg, *, recompute="none", groups=None, mem=None, name="block",
-                  attention=None):  # fmt: skip
+                  attention=None, moe_fn=None):  # fmt: skip
     """x (B, S, H) -> (x_out (B, S, H), cache); the MoE aux loss is ``cache["aux"]`` (0 if dense).
 
     ``attention``: the (forward, backward) pair of the attention core, default emulator.ops's
     (context parallelism passes its own: parallel.context.attention).
+    ``moe_fn``: a (forward, backward) pair with moe_forward / moe_backward's signatures that
+    replaces the single-rank MoE block (expert parallelism: parallel/expert/layer.py); None = MOE.
 
     With ``mem``, the bytes the cache holds (excluding parameters) are allocated as
     ``activations/<name>`` now and freed by block_backward.
@@ -67,10 +70,11 @@ def block_forward(bp, x, cfg, *, recompute="none", groups=None, mem=None, name="
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTE}")
     attention = ATTENTION if attention is None else attention
-    out, aux, inner = _forward(bp, x, cfg, groups, recompute == "none", attention)
+    moe_fn = MOE if moe_fn is None else moe_fn
+    out, aux, inner = _forward(bp, x, cfg, groups, recompute == "none", attention, moe_fn)
     saved = {"x": x} if recompute == "full" else inner  # full: everything else is dropped
     cache = {"mode": recompute, "saved": saved, "aux": aux, "bp": bp, "cfg": cfg}
-    cache.update(groups=groups, mem=mem, name=name, attention=attention)
+    cache.update(groups=groups, mem=mem, name=name, attention=attention, moe_fn=moe_fn)
     if mem is not None:
         mem.alloc("activations", name, saved_nbytes(saved, exclude=bp.values()))
     return out, cache
@@ -83,12 +87,14 @@ def block_backward(dx, cache, daux=None):
     daux = cfg.aux_loss_coef if daux is None else daux
     c = cache["saved"]
     if cache["mode"] == "full":  # rerun the forward from the kept input (Chen et al. 2016)
-        _, _, c = _forward(bp, c["x"], cfg, cache["groups"], True, cache["attention"])
+        _, _, c = _forward(
+            bp, c["x"], cfg, cache["groups"], True, cache["attention"], cache["moe_fn"]
+        )
         if mem is not None:
             mem.alloc("activations", name + ".recomputed", saved_nbytes(c, exclude=bp.values()))
     g = {}
     if cfg.is_moe:
-        dm, dmp = moe_backward(dx, c["moe"], daux)
+        dm, dmp = cache["moe_fn"][1](dx, c["moe"], daux)
         g.update({"moe." + n: d for n, d in dmp.items()})
     else:
         dh, g["mlp.w2"], g["mlp.b2"] = linear_backward(dx, c["w2"])

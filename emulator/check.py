@@ -141,6 +141,36 @@ def compare_run(
     return worst, problems
 
 
+def compare_replicas(runs, fields=("losses", "grads", "params"), labels=None) -> list[str]:
+    """Every rank's copy of replicated state against rank 0's, BITWISE -> one message per
+    (rank, field, tensor) that differs (empty = every replica equal).
+
+    ``runs``: each rank's run (objects with the ``fields`` as attributes, or dicts), e.g. the
+    list ``emulator.spawn`` returns. A layout test that compares only ``runs[0]`` with the
+    reference passes when another rank skips its last optimizer step; replicas of one state
+    are computed from identical bits (a ring all-reduce leaves every rank the same sum, AdamW
+    is deterministic), so any difference at all is a bug. Dict fields are compared by name,
+    list fields (losses) as a whole. ``labels[i]`` names run i (default "rank i")."""
+    labels = labels or [f"rank {i}" for i in range(len(runs))]
+    get = lambda run, f: run[f] if isinstance(run, dict) else getattr(run, f)
+    problems = []
+    for f in fields:
+        base = get(runs[0], f)
+        for label, run in zip(labels[1:], runs[1:]):
+            mine = get(run, f)
+            if isinstance(base, dict):
+                names = sorted(set(base) | set(mine))
+                bad = [n for n in names if n not in base or n not in mine
+                       or not np.array_equal(np.asarray(mine[n]), np.asarray(base[n]))]  # fmt: skip
+            else:
+                bad = [] if np.array_equal(np.asarray(mine), np.asarray(base)) else ["(all)"]
+            for n in bad[:5]:
+                problems.append(f"replicas differ: {label}'s {f} {n} != {labels[0]}'s")
+            if len(bad) > 5:
+                problems.append(f"replicas differ: {label}'s {f}: {len(bad) - 5} more tensors")
+    return problems
+
+
 def assert_close(got: dict, want: dict, rtol: float, what: str = "param") -> float:
     worst, problems = compare(got, want, rtol, what)
     if problems:
@@ -155,10 +185,15 @@ def assert_losses_close(got, want, rtol: float) -> float:
     return d
 
 
-def verdict(failures: list[str], checked: str, show: int = 4) -> str:
+def verdict(failures: list[str], checked: str, show: int = 4, skipped: str | None = None) -> str:
     """The last line of every example, which `python -m emulator tour` shows:
     "VERDICT: PASS - <checked>" or "VERDICT: FAIL - <failures, '; '-separated>": the first
-    `show`, each cut at its first "; " (where `compare`'s messages start the worst entries)."""
+    `show`, each cut at its first "; " (where `compare`'s messages start the worst entries).
+    ``skipped`` (a reason): nothing numeric could be compared - "VERDICT: SKIP - <reason>; ..."
+    unless something failed; a run that compared nothing has not passed (the example exits
+    non-zero and the tour counts it as not passed)."""
+    if not failures and skipped:
+        return f"VERDICT: SKIP - {skipped}; {checked}"
     if not failures:
         return f"VERDICT: PASS - {checked}"
     more = [f"{len(failures) - show} more above"] if len(failures) > show else []

@@ -1,6 +1,6 @@
 """ModelConfig and the named parameters: shapes, counts, initialisation, state_dict.
 
-The spec (shared/specs/model.md, "Config" and "Parameters") fixes every name, shape and
+The definition (docs/model.md, "Configuration" and "Parameters") fixes every name, shape and
 the order of the random draws; this file is that table as code. Re-exported by emulator.model.
 """
 

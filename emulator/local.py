@@ -27,7 +27,7 @@ import threading
 
 import numpy as np
 
-from . import watchdog
+from . import blas, watchdog
 from .comm import (
     Call,
     CollectiveMismatch,
@@ -253,7 +253,8 @@ def spawn(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, check: b
     threads = [
         threading.Thread(target=run, args=(r,), name=f"rank-{r}", daemon=True) for r in ranks
     ]
-    stuck = watchdog.supervise(w, threads)  # starts them; waits, never without a deadline
+    with blas.limit(blas.per_rank(w.size)):  # P ranks must not each start a full BLAS pool
+        stuck = watchdog.supervise(w, threads)  # starts them; waits, never without a deadline
     if w.failure is not None:
         exc = w.failure
         if hasattr(exc, "add_note"):

@@ -43,6 +43,23 @@ class Mesh:
         dims = ", ".join(f"{k}={v}" for k, v in zip(self.names, self.shape))
         return f"Mesh({dims}) rank {self.comm.rank} at {self.coords}"
 
+    def groups_of(self, axis: str) -> list[list[int]]:
+        """Every group along `axis`, as lists of global ranks (a partition of the world)."""
+        i = self._axis(axis)
+        return [
+            [int(r) for r in row]
+            for row in np.moveaxis(self.grid, i, -1).reshape(-1, self.shape[i])
+        ]
+
+    def describe(self) -> str:
+        """Printable: the mesh, then one line per axis with the global ranks of each group."""
+        dims = " x ".join(f"{k}{v}" for k, v in zip(self.names, self.shape))
+        lines = [f"mesh {dims} (outermost first; the last axis holds neighbouring ranks)"]
+        for a in self.names:
+            groups = " ".join(str(g).replace(" ", "") for g in self.groups_of(a))
+            lines.append(f"  {a:>3} groups: {groups}")
+        return "\n".join(lines)
+
     def size(self, axis: str) -> int:
         return self.shape[self._axis(axis)]
 

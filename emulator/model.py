@@ -1,4 +1,4 @@
-"""The single-rank reference model: forward, backward and loss (spec: shared/specs/model.md).
+"""The single-rank reference model: forward, backward and loss (definition: docs/model.md).
 
 Shape letters: B batch, S sequence used (1 <= S <= T), H d_model, V vocab, L layers.
 

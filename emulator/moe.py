@@ -1,4 +1,4 @@
-"""The reference mixture-of-experts block on one rank (spec: shared/specs/model.md, "MoE").
+"""The reference mixture-of-experts block on one rank (docs/model.md, "The MoE block").
 
 Shape letters: N tokens of one routing group, H d_model, F d_ff, E experts, K experts per token,
 C slots per expert. A "choice" is a (token, k) pair; choices are numbered choice-major,

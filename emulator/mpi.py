@@ -1,34 +1,37 @@
 """The same `Comm` over MPI: one OS process per rank, through mpi4py's buffer (Uppercase) API.
 
 Every message travels as raw bytes (`uint8` views), so any NumPy dtype - bfloat16 included -
-crosses unchanged. Each group owns two MPI communicators: one for data (our sends) and one for
-the control plane (collective checks, object gathers), so instrumentation never interleaves
-with counted traffic. Blocking waits are polls on nonblocking requests with a deadline, so a
-hang becomes a `CommTimeout` naming the waiting rank and its flight recorder; under MPI a rank
-can only see its own recorder (the other ranks report theirs when they time out).
+crosses unchanged. Each group owns one MPI communicator; its tags keep the data plane (our
+sends) apart from the control plane (collective checks, object gathers; `emulator.mpi_control`),
+so instrumentation never interleaves with counted traffic. Blocking waits are polls on nonblocking
+requests with a deadline, so a hang becomes a `CommTimeout` naming the waiting rank, the peer(s)
+it waits for and its flight recorder (under MPI a rank sees only its own recorder).
+
+Channels: user point-to-point messages travel with MPI tag 0, a collective's messages with tag
+3 + (its sequence number in the group mod TAG_UB - 3), so they never match each other nor the
+control plane's tags 1 and 2. A user
+message carries a 64-byte prefix naming its dtype and shape (uncounted, like the checks), so a
+receive of the right byte count but another dtype or shape is an error naming both sides. A
+collective's messages carry none: the collective check already compared every rank's op,
+algorithm, shape and dtype before a byte moved (with `check=False` that guard is off).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
-import os
+import math
 import pickle
-import time
+import weakref
 
 import numpy as np
 
-from .comm import (
-    Call,
-    CollectiveMismatch,
-    Comm,
-    CommError,
-    CommTimeout,
-    RankState,
-    _bind_state,
-    _expected,
-    mismatch_message,
-)
+from .comm import Call, CollectiveMismatch, Comm, CommError, RankState, _bind_state, _expected
 from .ledger import Ledger
+from .mpi_control import GROUP_TAG, OBJECTS, MPIWorld, exchange, gather, poll
+
+HEADER = 64  # bytes before a user point-to-point message's payload: "float64[2, 4]\0\0..."
 
 
 def _mpi():
@@ -41,54 +44,99 @@ def _mpi():
     return MPI
 
 
-class MPIComm(Comm):
-    def __init__(self, world, state, ranks, name, key, data, ctrl):
-        super().__init__(world, state, ranks, name, key)
-        self.mpi, self.ctrl = data, ctrl
+@functools.lru_cache(maxsize=4096)
+def _header(dtype: np.dtype, shape: tuple) -> bytes:
+    """What a user message is, in HEADER bytes; long shapes keep a prefix and a digest."""
+    text = f"{dtype}{list(shape)}".encode()
+    if len(text) > HEADER:
+        text = text[:40] + b"..#" + hashlib.blake2b(text, digest_size=8).hexdigest().encode()
+    return text.ljust(HEADER, b"\0")
 
-    # -- waiting with a deadline ----------------------------------------------------------------
+
+class MPIComm(Comm):
+    def __init__(self, world, state, ranks, name, key, mpicomm):
+        super().__init__(world, state, ranks, name, key)
+        self.mpi = self.ctrl = mpicomm  # one communicator; the planes differ by tag
+        self.traffic = world.counts(key, name, self.ranks)
+        self.tag_ub = _mpi().COMM_WORLD.Get_attr(_mpi().TAG_UB)
+
     def _wait(self, done, what: str) -> None:
-        # Poll, giving the core away between polls: ranks often outnumber cores (4 ranks on a
-        # 2-core laptop), and a spinning rank would starve the peer it waits for. sched_yield
-        # returns at once when nothing else is runnable; after 50 ms we sleep between polls so
-        # a long wait does not burn a core. Never wait without a deadline.
-        start = time.monotonic()
-        deadline = start + self.world.timeout
-        while not done():
-            now = time.monotonic()
-            if now - start < 0.05:
-                os.sched_yield()
-            else:
-                time.sleep(2e-4)
-            if now > deadline:
-                raise CommTimeout(
-                    f"rank {self.state.rank} waited {self.world.timeout:g} s {what} in "
-                    f"group {self.name!r} (a hang: some rank skipped a call or is stuck). "
-                    f"Under MPI each rank reports its own flight recorder:\n  "
-                    f"{self.state.flight()}"
-                )
+        poll(
+            done,
+            self.world.timeout,
+            lambda: (
+                f"rank {self.state.rank} waited {self.world.timeout:g} s {what} in group "
+                f"{self.name!r} (a hang: some rank skipped a call, exited or is stuck). Under "
+                f"MPI each rank reports its own flight recorder:\n  {self.state.flight()}"
+            ),
+        )
+
+    def _tag(self, channel: int) -> int:
+        return 0 if channel < 0 else 3 + channel % (self.tag_ub - 3)
 
     # -- data plane -----------------------------------------------------------------------------
     def _post(self, array: np.ndarray, dst: int, channel: int) -> None:
-        buf = np.array(array, copy=True, order="C").reshape(-1).view(np.uint8)
-        req = self.mpi.Isend(buf, dest=dst, tag=0)
-        pending = self.world.pending
-        pending.append((req, buf))
-        if len(pending) > 32:
-            pending[:] = [p for p in pending if not p[0].Test()]
+        if channel < 0:  # user message: the header, then the payload, in one buffer (one copy)
+            buf = np.empty(HEADER + array.nbytes, np.uint8)
+            buf[:HEADER] = np.frombuffer(_header(array.dtype, array.shape), np.uint8)
+            buf[HEADER:].view(array.dtype).reshape(array.shape)[...] = array
+        else:
+            buf = np.array(array, copy=True, order="C").reshape(-1).view(np.uint8)
+        self.world.pending.append((self.mpi.Isend(buf, dest=dst, tag=self._tag(channel)), buf))
+        self.world.prune()
+        self.traffic.sent_n[dst] += 1
+        self.traffic.sent_b[dst] += array.nbytes
 
     def _take(self, src: int, out, shape, dtype, channel: int) -> np.ndarray:
-        req, out = self._irecv(src, out, shape, dtype)
-        self._complete(req, src, out)
-        return out
+        if channel < 0:
+            got = self._take_user(src, shape, dtype)
+            if out is not None:
+                out[...] = got
+                got = out
+        else:
+            req, got = self._irecv(src, out, shape, dtype, channel)
+            self._complete(req, src, got)
+        self.traffic.recv_n[src] += 1
+        self.traffic.recv_b[src] += got.nbytes
+        return got
 
-    def _irecv(self, src: int, out, shape, dtype):
+    def _take_user(self, src: int, shape, dtype) -> np.ndarray:
+        # Probe first: the message's size is known before we receive, so a message of another
+        # size or kind is named from its header, never truncated.
+        MPI = _mpi()
+        status, found = MPI.Status(), []
+
+        def arrived() -> bool:
+            m = self.mpi.Improbe(source=src, tag=0, status=status)
+            if m is not None:
+                found.append(m)
+            return bool(found)
+
+        self._wait(arrived, f"to receive from rank {self.ranks[src]}")
+        buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+        req = found[0].Irecv(buf)
+        self._wait(req.Test, f"to receive from rank {self.ranks[src]}")
+        nbytes = np.dtype(dtype).itemsize * math.prod(shape)
+        mine = _header(np.dtype(dtype), tuple(shape))
+        if buf.size != HEADER + nbytes or buf[:HEADER].tobytes() != mine:
+            theirs = buf[:HEADER].tobytes().rstrip(b"\0").decode(errors="replace")
+            expected = mine.rstrip(b"\0").decode()
+            raise CommError(
+                f"rank {self.state.rank} expected {expected} ({nbytes} "
+                f"bytes) from rank {self.ranks[src]} in group {self.name!r} but rank "
+                f"{self.ranks[src]} sent {theirs} ({buf.size - HEADER} bytes); sender and "
+                f"receiver disagree about the message (check both sides' shapes and dtypes)"
+            )
+        return buf[HEADER:].view(dtype).reshape(shape)
+
+    def _irecv(self, src: int, out, shape, dtype, channel: int):
         if out is None:
             out = np.empty(shape, dtype)
-        return self.mpi.Irecv(out.reshape(-1).view(np.uint8), source=src, tag=0), out
+        buf = out.reshape(-1).view(np.uint8)
+        return self.mpi.Irecv(buf, source=src, tag=self._tag(channel)), out
 
-    def _complete(self, req, src: int, out, send_req=None) -> None:
-        """Wait for a posted receive (and our matching send); check the message's size."""
+    def _complete(self, req, src: int, out, send_req=None, dst: int = -1) -> None:
+        """Wait for a posted receive (and our send to dst); check the message's size."""
         MPI = _mpi()
         status = MPI.Status()
         peer = self.ranks[src]
@@ -99,7 +147,7 @@ class MPIComm(Comm):
         if status.Get_count(MPI.BYTE) != out.nbytes:
             raise self._size_error(src, out, str(status.Get_count(MPI.BYTE)))
         if send_req is not None:
-            self._wait(send_req.Test, f"for rank {peer} to take our message")
+            self._wait(send_req.Test, f"for rank {self.ranks[dst]} to take our message")
 
     def _size_error(self, src: int, out, got: str) -> CommError:
         return CommError(
@@ -109,77 +157,106 @@ class MPIComm(Comm):
         )
 
     def sendrecv(self, array, dst: int, src: int, out=None, shape=None, dtype=None):
+        channel = self._channel()
+        if channel < 0:  # user traffic: headers, through send and recv
+            return super().sendrecv(array, dst, src, out=out, shape=shape, dtype=dtype)
         # Post the receive first (the data lands in place), then send without an eager copy:
         # the send buffer is untouched until both halves complete here.
         array = self._as_message(array, "sendrecv")
         self._peer(dst, "send to")
         self._peer(src, "receive from")
         out, shape, dtype = _expected(out, shape, dtype)
-        rreq, out = self._irecv(src, out, shape, dtype)
-        sreq = self.mpi.Isend(np.ascontiguousarray(array).reshape(-1).view(np.uint8), dest=dst)
+        rreq, out = self._irecv(src, out, shape, dtype, channel)
+        send = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        sreq = self.mpi.Isend(send, dest=dst, tag=self._tag(channel))
+        t = self.traffic
+        t.sent_n[dst] += 1
+        t.sent_b[dst] += array.nbytes
         self._record("send", dst, array.nbytes)
-        self._complete(rreq, src, out, send_req=sreq)
+        self._complete(rreq, src, out, send_req=sreq, dst=dst)
+        t.recv_n[src] += 1
+        t.recv_b[src] += out.nbytes
         self._record("recv", src, out.nbytes)
         return out
 
+    @contextlib.contextmanager
+    def collective(self, op: str, algorithm: str = "", array=None, extra: str = ""):
+        outer = self.state.depth == 0
+        with super().collective(op, algorithm, array, extra):
+            call = self.state.current
+            yield
+            if outer:
+                self._leftover(call)
+
+    def _leftover(self, call: Call) -> None:
+        # A message of this collective that no receive took (one already here; a later one is
+        # caught by the end-of-run count): an algorithm sent more than its peers receive.
+        # (MPICH's first Iprobe may only progress the queues; the second sees what arrived.)
+        MPI = _mpi()
+        status, tag = MPI.Status(), self._tag(call.seq)
+        probe = functools.partial(self.mpi.Iprobe, MPI.ANY_SOURCE, tag, status)
+        if probe() or probe():
+            raise CommError(
+                f"rank {self.ranks[status.Get_source()]} sent rank {self.state.rank} a message "
+                f"of {status.Get_count(MPI.BYTE)} bytes in {call.describe()} that no receive "
+                f"took: a stray send in the collective"
+            )
+
     # -- control plane ----------------------------------------------------------------------------
     def _check(self, call: Call) -> None:
-        # One 8-byte digest per rank per collective keeps the check cheap; only when digests
-        # differ do the ranks exchange their full descriptions, so every rank can name both.
-        if not self.world.check:
-            return
-        digest = hashlib.blake2b(repr(call.signature()).encode(), digest_size=8).digest()
-        mine = np.frombuffer(digest, dtype=np.uint64).copy()
-        every = np.empty(self.world_size, np.uint64)
-        req = self.ctrl.Iallgather(mine, every)
-        self._wait(req.Test, f"to check collective {call.describe()} against the other ranks")
-        if np.all(every == mine[0]):
-            return
-        calls = self.allgather_object(call.describe())
-        other = next(r for r in range(self.world_size) if calls[r] != calls[self.rank])
-        raise CollectiveMismatch(
-            mismatch_message(
-                self.name, (self.state.rank, calls[self.rank]), (self.ranks[other], calls[other])
-            )
-        )
+        if self.world.check:
+            label = call.describe()
+            gather(self, label, b"", f"to check collective {label} against the other ranks")
 
     def allgather_object(self, obj) -> list:
-        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
-        sizes = np.empty(self.world_size, np.int64)
-        req = self.ctrl.Iallgather(np.array([data.size], np.int64), sizes)
-        self._wait(req.Test, "in a control-plane gather")
-        every = np.empty(int(sizes.sum()), np.uint8)
-        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        req = self.ctrl.Iallgatherv(data, [every, sizes, offsets, _mpi().BYTE])
-        self._wait(req.Test, "in a control-plane gather")
-        return [pickle.loads(every[o : o + s].tobytes()) for o, s in zip(offsets, sizes)]
+        every = gather(self, OBJECTS, pickle.dumps(obj), "in a control-plane gather")
+        return [pickle.loads(b) for b in every]
 
     def _make_group(self, glob: tuple, name: str, key) -> Comm:
+        # Check that every member names the same group (members in the same order, same name,
+        # same creation count) before MPI's communicator creation, which has no deadline.
+        label = f"group {name!r} over world ranks {list(glob)} from {self.name!r} (#{key[-1]})"
+        peers = {self.ranks.index(g): g for g in glob if g != self.state.rank}
+        got = exchange(self, self.ctrl, peers, label, b"", GROUP_TAG, f"to create {label}")
+        for j, (theirs, _) in sorted(got.items()):
+            if theirs != label:
+                raise CollectiveMismatch(
+                    f"group mismatch: rank {self.state.rank} creates {label} but rank "
+                    f"{self.ranks[j]} creates {theirs}. Every member must call group() with "
+                    f"the same ranks in the same order (a Mesh: the same axes in the same order "
+                    f"on every rank)."
+                )
         MPI = _mpi()
-        world = MPI.COMM_WORLD
-        data = world.Create_group(world.Get_group().Incl(list(glob)))
-        return MPIComm(self.world, self.state, glob, name, key, data, data.Dup())
+        tag = int.from_bytes(hashlib.blake2b(label.encode(), digest_size=4).digest()) % 32768
+        try:
+            new = MPI.COMM_WORLD.Create_group(MPI.COMM_WORLD.Get_group().Incl(list(glob)), tag)
+        except MPI.Exception as exc:
+            raise CommError(
+                f"rank {self.state.rank}: MPI could not create {label} ({exc}); "
+                f"{self.world.live_groups} groups are alive on this rank, one communicator "
+                f"each - drop the groups you no longer use (they are freed when collected)"
+            ) from exc
+        comm = MPIComm(self.world, self.state, glob, name, key, new)
+        self.world.live_groups += 1
+        weakref.finalize(comm, _free, self.world, new).atexit = False
+        return comm
 
 
-class MPIWorld:
-    def __init__(self, timeout: float, check: bool):
-        self.timeout = float(timeout)
-        self.check = check
-        self.pending: list = []
-
-    def finish(self, comm: MPIComm) -> None:
-        """Complete every outstanding eager send (each rank's sends must be received)."""
-        for req, _ in self.pending:
-            comm._wait(req.Test, "for a sent message to be received at exit")
-        self.pending.clear()
+def _free(world: MPIWorld, mpicomm) -> None:
+    """Release a collected group's communicator (MPI_Comm_free is local in MPICH and Open MPI;
+    pending sends on it still complete)."""
+    world.live_groups -= 1
+    if not _mpi().Is_finalized():
+        mpicomm.Free()
 
 
 def world_comm(timeout: float, check: bool = True) -> MPIComm:
     """This process's world communicator (MPI must have been launched with mpiexec)."""
+    if not timeout > 0:  # nan and non-numbers included: the same rule as `spawn`
+        raise ValueError(f"world_comm: timeout must be positive seconds, got {timeout!r}")
     MPI = _mpi()
     w = MPIWorld(timeout, check)
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     state = RankState(rank=rank, ledger=Ledger(rank))
     _bind_state(state)
-    data = MPI.COMM_WORLD.Dup()
-    return MPIComm(w, state, tuple(range(size)), "world", ("world",), data, data.Dup())
+    return MPIComm(w, state, tuple(range(size)), "world", ("world",), MPI.COMM_WORLD.Dup())

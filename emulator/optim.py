@@ -1,6 +1,6 @@
 """AdamW (torch.optim.AdamW semantics) on named arrays or flat shards, and global-norm clipping.
 
-Spec: shared/specs/model.md, "Optimizer". ``adamw_update`` is elementwise on whatever array
+Definition: docs/model.md, "Optimizer". ``adamw_update`` is elementwise on whatever array
 it is handed, so ZeRO can run it on a flat shard of the concatenated parameters; clipping is split
 into ``grad_norm_sq`` (a local sum a sharded layout all-reduces) and ``clip_coefficient``.
 """
@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from emulator.guards import check_hyper
 from emulator.precision import down, up
 
 
@@ -38,11 +39,7 @@ class AdamW:
     """AdamW over a dict of named master arrays. Defaults are the spec's (weight_decay 0.0)."""
 
     def __init__(self, params, *, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0):
-        if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and all(0 <= b < 1 for b in betas)):
-            raise ValueError(
-                f"AdamW: need lr, eps, weight_decay >= 0 and 0 <= betas < 1; got lr={lr} "
-                f"betas={betas} eps={eps} weight_decay={weight_decay}"
-            )
+        check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, where="AdamW")
         self.hyper = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         self.m = {n: np.zeros_like(p) for n, p in params.items()}
         self.v = {n: np.zeros_like(p) for n, p in params.items()}

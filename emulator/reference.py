@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 
 from emulator.data import split_microbatches
+from emulator.guards import check_finite, check_training
 from emulator.model import check_inputs, init_params, model_backward, model_forward, to_compute
 from emulator.optim import AdamW, clip_grad_norm, grad_norm_sq
 from emulator.precision import down, up
@@ -61,6 +62,8 @@ def reference_train(
     groups_fn(step, microbatch, B_mb, S) -> routing groups of that micro-batch (flat indices
     within it) or None for one group. ``params`` overrides init_params(cfg, seed) (copied).
     """
+    check_training("reference_train", steps=steps, microbatches=microbatches, lr=lr, betas=betas,
+                   eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
     params = init_params(cfg, seed) if params is None else {n: p.copy() for n, p in params.items()}
     init = {n: p.copy() for n, p in params.items()}
     opt = AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -96,6 +99,7 @@ def reference_train(
             run.grad_norms.append(clip_grad_norm(acc, max_norm))
         else:
             run.grad_norms.append(float(np.sqrt(grad_norm_sq(acc))))
+        check_finite(step, rank=0, loss=loss, grad_norm=run.grad_norms[-1], where="reference")
         opt.step(params, acc)
     run.opt_state = opt.state_dict()
     return run

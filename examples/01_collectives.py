@@ -3,29 +3,33 @@
     mpiexec -n 4 python examples/01_collectives.py        # one process per rank (MPI)
     python -m emulator run -n 16 examples/01_collectives.py  # 16 virtual ranks
     python examples/01_collectives.py                      # 4 virtual ranks
+    python examples/01_collectives.py --seed 3 --sizes 0,5,4096 --json bytes.json
 
 Each rank runs every op and algorithm on a few sizes (uneven and empty too), measures its bytes
 in the ledger, and compares them with collectives/cost.py and its result with the reference.
 Rank 0 prints an nccl-tests-like table and a VERDICT line; any mismatch exits non-zero.
+Flags: --seed (the inputs), --sizes (elements), --json PATH (every rank's bytes, per peer too).
+There is no model here, so the model-size flags of the other examples do not apply.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import numpy as np
 
-import emulator
 from collectives import api, cost, reference
-from emulator.check import verdict
 from emulator.ledger import format_table
+from tools import args as cli
+from tools.run import run_example, say_verdict
 
 SIZES = (0, 7, 1000, 65537)  # elements; 7 and 65537 are not divisible by most p
 
 
-def inputs(p, n, dtype=np.float32):
+def inputs(p, n, seed=0, dtype=np.float32):
     """Every rank can build every rank's input (seeded by rank), so each checks the oracle."""
-    return [np.random.default_rng(r).standard_normal(n).astype(dtype) for r in range(p)]
+    return [np.random.default_rng([seed, r]).standard_normal(n).astype(dtype) for r in range(p)]
 
 
 def cases(p, n):
@@ -98,10 +102,10 @@ def max_diff(got, want) -> float:
     return float(np.max(np.abs(got.astype(np.float64) - want), initial=0.0))
 
 
-def main(comm) -> int:
+def main(comm, sizes=SIZES, seed=0) -> int:
     p, rows, fails, worst_all, sent = comm.size, [], [], 0.0, 0
-    for n in SIZES:
-        xs = inputs(p, n)
+    for n in sizes:
+        xs = inputs(p, n, seed)
         for op, algo, fn, ref, formula in cases(p, n):
             mark = comm.ledger.mark()
             got = fn(comm, xs)
@@ -151,10 +155,30 @@ def main(comm) -> int:
             f"{worst_all:.1e} (<= {1e-4 * p:.0e}); bytes ({sent} B sent in all) == cost.py on "
             "every rank"
         )
-        print(verdict(fails, checked))
+        say_verdict(fails, checked, calls=len(rows), bytes_sent=sent, max_diff=worst_all)
     ok = all(comm.allgather_object(not fails))
     return 0 if ok else 1
 
 
+def sizes_flag(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        out = ()
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(
+            f"got {text!r}; need comma-separated element counts >= 0, e.g. 0,7,1000"
+        )
+    return out
+
+
+def parse(argv=None):
+    p = cli.parser(__doc__)
+    p.add_argument("--sizes", type=sizes_flag, default=SIZES, help="element counts, e.g. 0,7,1000")
+    cli.add_common(p)
+    return cli.parse(p, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(emulator.launch(main))
+    a = parse()
+    sys.exit(run_example(lambda comm: main(comm, a.sizes, a.seed), a))

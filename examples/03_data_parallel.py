@@ -16,11 +16,9 @@ with prefetch (Zhao et al. 2023, section 3.3.3).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-import emulator
-from emulator.check import verdict
+from emulator.check import compare_replicas
 from emulator.data import synthetic_batch
 from emulator.ledger import format_table
 from emulator.model import ModelConfig, n_params
@@ -37,32 +35,39 @@ from parallel.data.cost import (
     wire_elements,
 )
 from parallel.data.train import train_data_parallel
+from tools import args as cli
+from tools.run import progress, record, run_example, say_verdict
 
-p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+p = cli.parser(__doc__)
 p.add_argument("--stage", choices=["ddp", "1", "2", "3"], default="ddp")
 p.add_argument("--dtype", choices=["float64", "float32", "mixed"], default="float64")
 p.add_argument("--moe", action="store_true", help="4 experts, top-2, in every block")
-p.add_argument("--microbatches", type=int, default=2)
-p.add_argument("--steps", type=int, default=3)
-p.add_argument("--batch", type=int, default=16)
-p.add_argument("--bucket-cap-mb", type=float, default=0.01)
+p.add_argument("--microbatches", type=cli.positive_int, default=2)
+p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=0.01)
 p.add_argument("--no-reshard", action="store_true", help="ZeRO-3: reshard_after_forward=False")
 p.add_argument("--prefetch", action="store_true", help="ZeRO-3: forward/backward prefetch")
-args = p.parse_args()
+cli.add_common(p, model={"vocab": 32, "seq": 8, "d_model": 10, "heads": 2, "layers": 2}, batch=16,
+               steps=3)  # fmt: skip
+args = cli.parse(p)
+for flag in ("--prefetch", "--no-reshard"):
+    cli.refuse_unless(p, args, flag, False, args.stage == "3", "outside --stage 3 (ZeRO-3)")
+D_ = cli.planned_world_size(4)
+if args.batch % (D_ * args.microbatches):
+    p.error(f"argument --batch: {args.batch} does not split into {D_} ranks x "
+            f"{args.microbatches} micro-batches; use a multiple of {D_ * args.microbatches}")  # fmt: skip
 
 MOE = {"n_experts": 4, "moe_top_k": 2} if args.moe else {}
-CFG = ModelConfig(vocab_size=32, max_seq_len=8, d_model=10, n_heads=2, n_layers=2,
-                  dtype=args.dtype, **MOE)  # fmt: skip
-S, TRAIN = 8, {"lr": 1e-3, "max_norm": 1.0}
+CFG = ModelConfig(**cli.model_kwargs(args), dtype=args.dtype, **MOE)
+S, TRAIN = args.seq, {"lr": 1e-3, "max_norm": 1.0}
 
 
 def batches(step):
-    return synthetic_batch(0, step, args.batch, S, CFG.vocab_size)
+    return synthetic_batch(args.seed, step, args.batch, S, CFG.vocab_size)
 
 
 def main(comm) -> int:
     st, D, k, reshard = args.stage, comm.size, args.microbatches, not args.no_reshard
-    run = train_data_parallel(comm, CFG, 0, batches, args.steps, stage=st, microbatches=k,
+    run = train_data_parallel(comm, CFG, args.seed, progress(batches, args.steps), args.steps, stage=st, microbatches=k,
                               bucket_cap_mb=args.bucket_cap_mb, reshard_after_forward=reshard,
                               prefetch=args.prefetch, **TRAIN)  # fmt: skip
     psi, pad = n_params(CFG), sum(lay.padded for lay in run.layouts)
@@ -82,14 +87,20 @@ def main(comm) -> int:
     ok = ok and all(sb[w] == (want_b[w],) * 2 for w in want_b)
     ok = ok and sb["grads"][0] + sb["params"][0] == fig[f"bytes k={k} (Psi_pad)"]
     rows = comm.gather_object((row, ok))
+    # every rank's replica, not rank 0's alone (uncounted): a rank that skipped a step shows
+    replicas = comm.gather_object({"losses": run.losses, "grads": run.grads, "params": run.params})
     ref = routing = None
     if comm.rank == 0:
-        ref = reference_train(CFG, 0, batches, args.steps, microbatches=D * k, **TRAIN)
+        ref = reference_train(CFG, args.seed, batches, args.steps, microbatches=D * k, **TRAIN)
         if CFG.is_moe:  # the routing of every reference micro-batch, to compare first
-            routing = reference_routes(CFG, 0, batches, args.steps, microbatches=D * k, **TRAIN)
+            routing = reference_routes(
+                CFG, args.seed, batches, args.steps, microbatches=D * k, **TRAIN
+            )
     if comm.rank != 0:
         return 0
     _, problems, checked = compare_dp(run, ref, CFG.dtype, routing, CFG.moe_top_k)
+    problems += compare_replicas(replicas)
+    checked += f"; losses, grads, params bitwise identical on {D}/{D} ranks"
     c = fig["c"]
     print(f"stage {st}, D={D}, {CFG.dtype}{' MoE' if CFG.is_moe else ''}, k={k} micro-batches, "
           f"{len(run.layouts)} flat buffers; Psi={psi}, Psi_pad={pad} "
@@ -131,11 +142,13 @@ def main(comm) -> int:
     if len(problems) > 8:
         print(f"  ... and {len(problems) - 8} more mismatches")
     sent = want_b["grads"] + want_b["params"]
-    print(verdict(problems, f"stage {st} D={D} {CFG.dtype}{' MoE' if CFG.is_moe else ''}, "
+    record(step_bytes_sent_per_rank=sent, static_memory=want_m, peak_memory=want_p,
+           losses=[float(x) for x in run.losses])  # fmt: skip
+    say_verdict(problems, f"stage {st} D={D} {CFG.dtype}{' MoE' if CFG.is_moe else ''}, "
                             f"{args.steps} steps: {checked}; bytes ({sent} B/step sent per rank)"
-                            f", static and peak memory == formulas on {D}/{D} ranks"))  # fmt: skip
+                            f", static and peak memory == formulas on {D}/{D} ranks")  # fmt: skip
     return 0 if not problems else 1
 
 
 if __name__ == "__main__":
-    sys.exit(emulator.launch(main))
+    sys.exit(run_example(main, args, world_size=4))

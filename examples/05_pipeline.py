@@ -22,13 +22,11 @@ ui.perfetto.dev).
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-import tempfile
 
 import emulator
-from emulator.check import compare_run, verdict
+from emulator import svg
+from emulator.check import compare_replicas, compare_run
 from emulator.data import synthetic_batch
 from emulator.ledger import format_table
 from emulator.model import ModelConfig
@@ -51,24 +49,43 @@ from parallel.pipeline.cost import (
 )
 from parallel.pipeline.executor import stage_param_names
 from parallel.pipeline.train import pipeline_train
+from tools import args as cli
+from tools.run import progress, rank_report, record, run_example, say_verdict
 
-p_ = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-p_.add_argument("--pp", type=int, default=4, help="pipeline stages p")
-p_.add_argument("--dp", type=int, default=1, help="data-parallel replicas (mesh dp x pp)")
+p_ = cli.parser(__doc__)
+p_.add_argument("--pp", type=cli.positive_int, default=4, help="pipeline stages p")
+p_.add_argument("--dp", type=cli.positive_int, default=1, help="data-parallel replicas (dp x pp)")
 p_.add_argument("--dp-mode", default="ddp", choices=["ddp", "zero1"])
-p_.add_argument("--microbatches", type=int, default=8, help="m per data-parallel replica")
+p_.add_argument("--microbatches", type=cli.positive_int, default=8, help="m per dp replica")
 p_.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1"])
-p_.add_argument("--chunks", type=int, default=2, help="v, for --schedule interleaved")
-p_.add_argument("--steps", type=int, default=3)
+p_.add_argument("--chunks", type=cli.positive_int, default=None,
+                help="v, for --schedule interleaved (default 2)")  # fmt: skip
 p_.add_argument("--dtype", default="float64", choices=["float64", "float32", "mixed"])
-p_.add_argument("--max-norm", type=float, default=1.0, help="clip norm (0: no clipping)")
-p_.add_argument("--trace", default=None, help="Chrome trace path (default: the temp dir)")
-ARGS = p_.parse_args()
+p_.add_argument("--max-norm", type=cli.nonneg_float, default=1.0, help="clip norm (0: no clip)")
+p_.add_argument("--trace", default="05_pipeline_trace.json", metavar="PATH",
+                help="Chrome trace path (default: ./05_pipeline_trace.json)")  # fmt: skip
+p_.add_argument("--svg", default=None, metavar="PATH",
+                help="write the timeline (PATH) and the comm matrix (PATH with -comm.svg)")  # fmt: skip
+p_.add_argument("--micro-batch", type=cli.positive_int, default=2, help="b, sequences per mb")
+p_.add_argument("--layers", type=cli.positive_int, default=None,
+                help="model L (default 2 per stage chunk, 2 p v)")  # fmt: skip
+cli.add_common(p_, model={"vocab": 32, "seq": 8, "d_model": 16, "heads": 2}, steps=3)
+ARGS = cli.parse(p_)
+cli.refuse_unless(p_, ARGS, "--chunks", None, ARGS.schedule == "interleaved",
+                  f"with --schedule {ARGS.schedule} (only interleaved has chunks)")  # fmt: skip
+cli.refuse_unless(p_, ARGS, "--dp-mode", "ddp", ARGS.dp > 1, "with --dp 1")
+ARGS.chunks = ARGS.chunks or 2
+_pieces = ARGS.pp * (ARGS.chunks if ARGS.schedule == "interleaved" else 1)
+ARGS.layers = ARGS.layers or 2 * _pieces
+if ARGS.layers < _pieces:
+    p_.error(f"argument --layers: {ARGS.layers} blocks cannot fill {_pieces} stage chunks; "
+             f"need --layers >= {_pieces}")  # fmt: skip
 if ARGS.dtype == "mixed" and ARGS.dp > 1:
     p_.error("--dtype mixed with --dp > 1 has no exact check here: the dp sum adds bf16 gradients "
              "in another order than the reference and AdamW turns the flipped signs of near-zero "
              "entries into O(lr) parameter differences; run mixed with --dp 1 (compared bitwise) "
              "or dp x pp in float64 / float32")  # fmt: skip
+cli.check_world(p_, ARGS.pp * ARGS.dp, f"--pp {ARGS.pp} x --dp {ARGS.dp}")
 
 
 def tolerance(dtype: str, p: int, D: int, clip: bool) -> tuple[float, str]:
@@ -90,27 +107,32 @@ def main(comm) -> int:
     v = a.chunks if a.schedule == "interleaved" else 1
     if comm.world_size != a.pp * a.dp:
         raise ValueError(f"--pp {a.pp} x --dp {a.dp} needs {a.pp * a.dp} ranks, got {comm.world_size}")  # fmt: skip
-    cfg = ModelConfig(vocab_size=32, max_seq_len=16, d_model=16, n_heads=2, n_layers=2 * a.pp * v,
-                      dtype=a.dtype)  # fmt: skip
-    b, S, m, D = 2, 8, a.microbatches, a.dp
-    batches = lambda step: synthetic_batch(5, step, b * m * D, S, cfg.vocab_size)
+    sizes = cli.model_kwargs(a) | {"max_seq_len": max(16, a.seq)}  # --seq is S; T >= 16
+    cfg = ModelConfig(**sizes, dtype=a.dtype)  # n_layers = --layers
+    b, S, m, D = a.micro_batch, a.seq, a.microbatches, a.dp
+    batches = lambda step: synthetic_batch(5 + a.seed, step, b * m * D, S, cfg.vocab_size)
     where = emulator.Mesh(comm, dp=D, pp=a.pp) if D > 1 else comm
     mode = a.dp_mode if D > 1 else "none"
     clip = a.max_norm or None
-    run = pipeline_train(where, cfg, 0, batches, a.steps, schedule=a.schedule, microbatches=m,
-                         chunks=v, dp_mode=mode, max_norm=clip)  # fmt: skip
+    run = pipeline_train(where, cfg, a.seed, progress(batches, a.steps), a.steps,
+                         schedule=a.schedule, microbatches=m, chunks=v, dp_mode=mode,
+                         max_norm=clip)  # fmt: skip
     # every rank's view of its pp group: all dp replicas must show the same figures
     mine = (run.p2p, run.in_flight, run.act_peak, run.dp_bytes)
     views = comm.allgather_object(mine)
+    # and every rank's losses, grads and params (uncounted): dp replicas must agree bitwise
+    states = comm.gather_object({"losses": run.losses, "grads": run.grads, "params": run.params})
+    sent_to = comm.allgather_object(rank_report(comm)["sent_to"]) if a.svg else None
     if comm.rank:
         return 0
     # the reference in the same dtype (mixed: bf16 compute, fp32 master and Adam, as the run)
-    ref = reference_train(cfg, 0, batches, a.steps, microbatches=m * D, max_norm=clip)
+    ref = reference_train(cfg, a.seed, batches, a.steps, microbatches=m * D, max_norm=clip)
     rtol, why = tolerance(a.dtype, a.pp, D, clip is not None)
     worst, problems = compare_run(run, ref, rtol=rtol, noise_floor=1e-6 if rtol else 0.0)
     sched, p, fails = run.schedule, a.pp, list(problems)
     fails += [f"rank {r}'s replica differs from rank 0's: {x}" for r, x in enumerate(views)
               if x != mine]  # fmt: skip
+    fails += compare_replicas(states)
 
     # bubble: the executed per-stage orders replayed with F = B = W = 1 (B+W for unsplit)
     events = replay(sched, Cost(1, 1, 1), msg_bytes=b * S * cfg.d_model * cfg_item(cfg))
@@ -152,18 +174,29 @@ def main(comm) -> int:
                      f"{run.act_peak[s]} / {want_act[s]}" + ("" if closed is None else " (closed)"),
                      f"{got['sent']} / {want_p2p[s]}",
                      f"{run.dp_bytes[s]} / {want_dp[s]}"])  # fmt: skip
-    path = a.trace or os.path.join(tempfile.gettempdir(), f"05_pipeline_{a.schedule}.json")
-    write_chrome_trace(path, events)
+    path = write_chrome_trace(a.trace, events)
+    pictures = []
+    if a.svg:
+        title = f"{a.schedule}: p={p} m={m} v={v} dp={D}"
+        pictures.append(svg.write(a.svg, svg.timeline_svg(events, p, title=title)))
+        comm_path = a.svg.removesuffix(".svg") + "-comm.svg"
+        pictures.append(svg.write(comm_path, svg.comm_matrix_svg(sent_to, title=f"{title}: "
+                                  "bytes sent, row rank -> column rank, per axis")))  # fmt: skip
 
     print(f"{a.schedule}: p={p} m={m} v={v} dp={D} ({mode}) b={b} S={S} H={cfg.d_model} "
           f"L={cfg.n_layers} dtype={a.dtype}")  # fmt: skip
+    print("timeline in logical time (unit costs F = B = W = 1, one column each; not seconds):")
     print(ascii_timeline(events, p))
+    print("legend: Fi forward of micro-batch i, Bi backward, Wi weight gradient (zb-h1), "
+          "Fi.c / Bi.c chunk c (interleaved), '=' continues, '.' idle (bubble)")  # fmt: skip
     print(format_table(["stage", "blocks", "bubble meas/formula", "in flight meas/formula",
                         "peak act bytes ledger/formula", "p2p sent/formula", "dp sent/formula"],
                        rows))  # fmt: skip
     if why_not:
         print(f"bubble formula n/a: {why_not}")
-    print(f"Chrome trace: {path}")
+    print(f"Chrome trace: {path} (open in ui.perfetto.dev)")
+    for pic in pictures:
+        print(f"SVG: {pic}")
     for f in fails:
         print("MISMATCH:", f)
     bub = (f"bubble {float(bubble[0]):.4f} = formula" if formula is not None
@@ -172,11 +205,14 @@ def main(comm) -> int:
     dpb = "" if D == 1 else f"; dp bytes per stage = {mode} formula ({sum(want_dp)} B)"
     every = "" if D == 1 else f"; the same on all {D} dp replicas"
     cmp = "bitwise (rtol 0)" if rtol == 0 else f"max rel diff (rtol {rtol:.0e}, {why})"
-    print(verdict(fails, f"{a.schedule} p={p} m={m} v={v} dp={D} {a.dtype}, {a.steps} steps vs "
+    record(bubble=[str(x) for x in bubble], bubble_formula=None if formula is None else str(formula),
+           in_flight=run.in_flight, activation_peak=run.act_peak, boundary_bytes=want_p2p,
+           dp_bytes=run.dp_bytes, chrome_trace=path, svg=pictures)  # fmt: skip
+    say_verdict(fails, f"{a.schedule} p={p} m={m} v={v} dp={D} {a.dtype}, {a.steps} steps vs "
                   f"the {a.dtype} reference, {cmp}: loss {worst['loss']:.1e}, grad "
                   f"{worst['grad']:.1e}, param {worst['param']:.1e}; {bub}; in flight = formula; "
                   f"peak activation bytes (ledger) = per-chunk formula{cf}; boundary bytes = "
-                  f"formula ({sum(want_p2p)} B/step, all p={p} stages){dpb}{every}"))  # fmt: skip
+                  f"formula ({sum(want_p2p)} B/step, all p={p} stages){dpb}{every}")  # fmt: skip
     return 0 if not fails else 1
 
 
@@ -185,4 +221,4 @@ def cfg_item(cfg) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(emulator.launch(main, world_size=ARGS.pp * ARGS.dp))
+    sys.exit(run_example(main, ARGS, world_size=ARGS.pp * ARGS.dp))

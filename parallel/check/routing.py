@@ -2,8 +2,8 @@
 
 Shape letters: N tokens of a routing group, E experts, K top-k, C slots per expert.
 
-A top-k router (emulator/moe.py ``route``) makes two discrete decisions per token (spec:
-shared/specs/model.md, "MoE"): its CHOICES - the top-k experts, ranked by (-probability, index)
+A top-k router (emulator/moe.py ``route``) makes two discrete decisions per token (docs/model.md,
+"The MoE block"): its CHOICES - the top-k experts, ranked by (-probability, index)
 - and the DROPS - slots are filled choice by choice (every token's 1st choice, then every
 token's 2nd, ..., tokens in index order), and a choice that finds its expert's C slots full is
 dropped. A layout changes only the order of sums. In float64 that moves the router's

@@ -132,7 +132,8 @@ def _lower_precision(run, ref, t) -> tuple[dict, list[str]]:
 def compare_tp(run, ref, dtype, routing=None, top_k=1) -> tuple[dict, list[str], str]:
     """-> (worst: {what: diff}, problems (empty = pass), a sentence saying what was compared).
     ``routing``: moe_routing.reference_routes(...) for an MoE model (``run.routing`` is
-    compared first; ``top_k`` = cfg.moe_top_k)."""
+    compared first; ``top_k`` = cfg.moe_top_k). ``worst`` is empty when nothing numeric was
+    comparable (a routing flip at step 0): that is not a pass (emulator.check.verdict's SKIP)."""
     moe = any(".moe." in n for n in ref.params)
     kind = "mixed MoE" if dtype == "mixed" and moe else dtype
     t, note = TOL[kind], ""
@@ -151,7 +152,7 @@ def compare_tp(run, ref, dtype, routing=None, top_k=1) -> tuple[dict, list[str],
                 f"compared the losses of steps 0..{s - 1} only (max rel diff {w:.1e})" if s
                 else "no loss, gradient or parameter is comparable"
             )  # fmt: skip
-            return {"loss": w}, problems + p, note
+            return ({"loss": w} if s else {}), problems + p, note  # {}: nothing compared
     if dtype == "float64":
         worst, p = compare_run(run, ref, t["rtol"], param_atol=np.inf)  # losses, gradients
         worst["param"], q = compare(run.params, ref.params, t["param"], "param", t["noise_floor"])

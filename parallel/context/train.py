@@ -26,6 +26,7 @@ import functools
 import numpy as np
 
 from emulator.data import shard_batch, split_microbatches
+from emulator.guards import check_finite, check_training
 from emulator.mesh import Mesh
 from emulator.model import check_inputs, init_params, to_compute
 from emulator.optim import AdamW
@@ -81,6 +82,8 @@ def cp_train(comm, cfg, seed, batches, steps, *, cp, method="ring", balance="zig
              microbatches=1, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
              max_norm=None, recompute="none", bucket_cap_mb=25.0) -> CPRun:  # fmt: skip
     """Train `steps` steps on dp x cp = comm.size ranks; every rank returns the same figures."""
+    check_training("cp_train", steps=steps, microbatches=microbatches, lr=lr, betas=betas,
+                   eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
     check_method(method)
     mesh = cp_mesh(comm, cp)
     D, d, c = mesh.size("dp"), mesh.coord("dp"), mesh.coord("cp")
@@ -117,6 +120,8 @@ def cp_train(comm, cfg, seed, batches, steps, *, cp, method="ring", balance="zig
             grads = ddp.finish()  # summed over dp x cp
             run.grads = {n: g.copy() for n, g in grads.items()}
             run.grad_norms.append(clip_(grads, max_norm, (), tag="dp/clip")[0])
+            check_finite(step, rank=comm.rank, loss=run.losses[-1], grad_norm=run.grad_norms[-1],
+                         where="cp_train")  # fmt: skip
             opt.step(params, grads)
             ddp.zero_grad()
             recs = comm.ledger.since(mark)

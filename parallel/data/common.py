@@ -60,7 +60,15 @@ def backward_order(grads, position: dict) -> list:
 
 
 class Hooks:
-    """The layout's say in a step. Layers: "embed", "blocks.i", "head" (forward order)."""
+    """The layout's say in a step, called by the model driver (parallel/pipeline/executor.py,
+    docs/CONTRACTS.md "driver contract"; microbatch_step below for cp_train). Layers: "embed",
+    "blocks.i", "head" (forward order)."""
+
+    def start(self, kind: str, mb: int, layers: list) -> None:  # each F / B / W action
+        pass
+
+    def result(self):  # what run_schedule returns as its gradients
+        return None
 
     def pre_forward(self, layer: str) -> dict:  # full-name params the layer computes with
         raise NotImplementedError

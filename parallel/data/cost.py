@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 
+from collectives.cost import tree_broadcast
 from emulator.flops import activation_bytes_per_block
 from emulator.precision import compute_dtype, master_dtype
 
@@ -132,7 +133,11 @@ def peak_memory(stage, layouts, n_params: int, cfg, b: int, S: int, *, reshard_a
                  gradient arrives - before the next bucket's first - so one is live at a time
     zero-3       peak_fsdp (the root unit + one / two / all gathered blocks)
     activations  L blocks of one micro-batch (b = B / (D k) rows; micro-batches run one
-                 after another): L * emulator.flops.activation_bytes_per_block(cfg, b, S)
+                 after another): L * emulator.flops.activation_bytes_per_block(cfg, b, S);
+                 recompute="full": the L kept block inputs (a b S H each) PLUS the whole cache
+                 of the block being recomputed (its "none" bytes, emulator/block.py keeps it
+                 through that block's backward) - at the last block's backward, when every
+                 block's input is still alive
     """
     stage, c = str(stage), compute_dtype(cfg.dtype).itemsize
     static = static_memory(stage, layouts, n_params, cfg.dtype)
@@ -142,4 +147,13 @@ def peak_memory(stage, layouts, n_params: int, cfg, b: int, S: int, *, reshard_a
     if stage == "3":
         peak |= peak_fsdp(layouts, cfg.n_layers, cfg.dtype, reshard_after_forward, prefetch)
     peak["activations"] = cfg.n_layers * activation_bytes_per_block(cfg, b, S, recompute)
+    if recompute == "full":  # + the recomputed block's cache (was left out: 640 B vs 6,720 B)
+        peak["activations"] += activation_bytes_per_block(cfg, b, S, "none")
     return peak
+
+
+def init_broadcast_bytes(n_params: int, D: int, itemsize: int, rank: int) -> tuple[int, int]:
+    """(sent, received) by dp rank ``rank`` for DDP's one broadcast of the initial parameters
+    from rank 0 (parallel/data/ddp.py): a binomial tree over D ranks of n_params elements,
+    once per run, outside every step's formula."""
+    return tree_broadcast(n_params, D, itemsize, rank)

@@ -12,6 +12,14 @@ Each bucket is a flat buffer padded to a multiple of D, so the ring all-reduce m
 The ledger tag `dp/grads/bucket{i}@{where}` records where in the backward the bucket became
 ready (e.g. "@bwd:blocks.2"): the overlap DDP relies on can be read off the order of records.
 Gradients are summed, not averaged (docs/CONTRACTS.md: each rank's loss is its share).
+
+Initial parameters: as torch DDP's constructor (_sync_module_states), rank 0's parameters are
+broadcast to every rank, so replicas built from different seeds start identical instead of
+silently diverging. One binomial-tree broadcast of the flat concatenation of the local
+parameters (Psi elements, their own itemsize m), once at construction, under the ledger tag
+"ddp/init_broadcast": rank r receives Psi m (r > 0) and sends children(r) Psi m
+(collectives/cost.py tree_broadcast; parallel/data/cost.py init_broadcast_bytes). The per-step
+byte formulas are unchanged: the broadcast is not part of any step.
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-from collectives import all_reduce
+import numpy as np
+
+from collectives import all_reduce, broadcast
 from emulator import scope
 from emulator.precision import compute_dtype
 from parallel.data.flat import GradAccumulator, make_buckets
@@ -37,8 +47,10 @@ class DDP:
     """Bucketed gradient synchronisation over `dp_comm` for a rank-local dict of parameters."""
 
     def __init__(self, dp_comm, local_params: dict, *, bucket_cap_mb=25.0, dtype="float64",
-                 mem=None):  # fmt: skip
+                 mem=None, broadcast_init=True):  # fmt: skip
         self.comm, self.mem = dp_comm, mem
+        if broadcast_init:
+            broadcast_params(dp_comm, local_params)
         self.dtype = compute_dtype(dtype)  # gradients (and the wire) in the compute dtype
         shapes = {n: tuple(p.shape) for n, p in local_params.items()}
         self.position = {n: i for i, n in enumerate(shapes)}  # parameter order
@@ -101,3 +113,17 @@ class DDP:
     def zero_grad(self) -> None:
         self.acc = GradAccumulator(self.layouts, self.dtype)
         self.reduced, self.events = {}, []
+
+
+def broadcast_params(comm, params: dict, tag: str = "ddp/init_broadcast") -> None:
+    """In place: every rank's ``params`` become rank 0's (one flat tree broadcast; all arrays
+    must share a dtype, and a rank with other names or shapes is a CollectiveMismatch)."""
+    if comm.size == 1 or not params:
+        return
+    flat = np.concatenate([np.ravel(p) for p in params.values()])  # (Psi,)
+    with scope(tag):
+        flat = broadcast(comm, flat, root=0)
+    start = 0
+    for p in params.values():
+        p[...] = flat[start : start + p.size].reshape(p.shape)
+        start += p.size

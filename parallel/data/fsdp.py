@@ -1,4 +1,4 @@
-"""FSDP: the ZeRO-3 unit lifecycle as hooks on the layer-by-layer step (parallel/data/common.py).
+"""FSDP: the ZeRO-3 unit lifecycle as hooks on the model driver (parallel/pipeline/executor.py).
 
 Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel", VLDB:
 a unit (one transformer block, plus a root unit for the embeddings, final norm and head) is
@@ -65,8 +65,14 @@ class ReplicatedHooks(Hooks):
     """DDP / ZeRO-1 / ZeRO-2: every rank holds the full compute parameters; gradients go to
     `sink.grad_ready` (a DDP or a ZeroOptimizer) as the backward produces them."""
 
+    sync_at = None  # DDP: the micro-batch whose backward all-reduces (the others: no_sync)
+
     def __init__(self, params: dict, sink):
         self.params, self.sink = params, sink
+
+    def start(self, kind: str, mb: int, layers: list) -> None:
+        if self.sync_at is not None:
+            self.sink.sync = mb == self.sync_at
 
     def pre_forward(self, layer: str) -> dict:
         return self.params

@@ -9,19 +9,21 @@ groups_fn(step, r k + j, B_mb, S), exactly what reference_train calls for that m
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 from emulator.data import shard_batch, split_microbatches
+from emulator.guards import check_finite, check_training
 from emulator.model import check_inputs, init_params, to_compute
 from emulator.optim import AdamW
 from emulator.precision import compute_dtype
 from parallel.clip import clip_
-from parallel.data.common import loss_scales, microbatch_step
+from parallel.data.common import loss_scales
 from parallel.data.ddp import DDP
 from parallel.data.flat import fsdp_units
 from parallel.data.fsdp import FSDPHooks, ReplicatedHooks
 from parallel.data.zero import ZeroOptimizer, check_stage
+from parallel.pipeline.executor import OneStage, run_schedule
+from parallel.pipeline.schedules import make_schedule
 
 
 @dataclasses.dataclass
@@ -57,11 +59,14 @@ def check_layout(stage, D: int, batch: int, microbatches: int) -> str:
 def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microbatches=1,
                         lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=None,
                         bucket_cap_mb=25.0, reshard_after_forward=True, prefetch=False,
-                        groups_fn=None, recompute="none") -> DPRun:  # fmt: skip
+                        groups_fn=None, recompute="none", poison_freed=False) -> DPRun:  # fmt: skip
     """Train; every memory-ledger entry the run makes is freed before it returns (run.memory is
     the snapshot just before), and the ledger's peaks are reset at the start, so a program may
-    call it again - any stage - and see the same figures (run.memory["peak"] is this run's)."""
+    call it again - any stage - and see the same figures (run.memory["peak"] is this run's).
+    ``poison_freed`` (tests): ZeRO-3 fills every freed gathered unit with NaN (ZeroOptimizer)."""
     stage = "ddp" if str(stage) == "ddp" else str(check_stage(stage))
+    check_training("train_data_parallel", steps=steps, microbatches=microbatches, lr=lr,
+                   betas=betas, eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
     mem = comm.memory
     mem.reset_peak()
     hyper = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
@@ -81,7 +86,8 @@ def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microba
         shapes = {n: p.shape for n, p in params.items()}
         units = [u.names for u in fsdp_units(shapes, comm.size)] if stage == "3" else None
         engine = ZeroOptimizer(comm, params, int(stage), dtype=cfg.dtype, max_norm=max_norm,
-                               bucket_cap_mb=bucket_cap_mb, units=units, mem=mem, **hyper)  # fmt: skip
+                               bucket_cap_mb=bucket_cap_mb, units=units, mem=mem,
+                               poison_freed=poison_freed, **hyper)  # fmt: skip
         opt = None
     try:
         run = DPRun(stage, [], [], {}, {}, {}, [], engine.layouts, {}, [], [])
@@ -119,21 +125,26 @@ def _step(comm, cfg, engine, opt, params, run, step, batches, k, groups_fn, max_
                           prefetch=prefetch)  # fmt: skip
     else:  # DDP computes with the compute-dtype copy of the (updated) master
         hooks = ReplicatedHooks(to_compute(params, cfg) if opt else engine.params, engine)
-    shares, routing = [], [[] for _ in mbs]
-    for j, (t, y) in enumerate(mbs):
-        ce_denom, aux_scale = loss_scales(tokens.size, n_groups[r * k + j], sum(n_groups))
-        last = j == k - 1
-        ctx = engine.no_sync() if stage == "ddp" and not last else contextlib.nullcontext()
-        with ctx:
-            shares.append(microbatch_step(
-                hooks, t, y, cfg, ce_denom=ce_denom, aux_scale=aux_scale,
-                groups=groups[r * k + j], recompute=recompute, mem=mem, mem_prefix=f"mb{j}.",
-                routing=routing[j],
-            ))  # fmt: skip
+    if stage == "ddp":  # no_sync for the first k-1 micro-batches: one all-reduce per step
+        hooks.sync_at = k - 1
+    mb_losses, routes = {}, {}
+    try:  # the one model driver: a single stage running F0 B0 F1 B1 ... (1F1B on p = 1)
+        run_schedule(OneStage(), make_schedule("1f1b", 1, k), [list(range(cfg.n_layers))], None,
+                     mbs, cfg, ce_denom=tokens.size,
+                     aux_scales=[loss_scales(tokens.size, n_groups[r * k + j], sum(n_groups))[1]
+                                 for j in range(k)],
+                     groups=groups[r * k : (r + 1) * k], recompute=recompute, mem=mem,
+                     hooks=hooks, dtype=compute_dtype(cfg.dtype), mb_losses=mb_losses,
+                     routing=routes, io_activations=False)  # fmt: skip
+    finally:
+        if stage == "ddp":
+            engine.sync = True
+    shares = [mb_losses[j] for j in range(k)]
+    routing = [routes.get(j, []) for j in range(k)]
     if cfg.is_moe:  # every micro-batch's routing, in the reference's order r k + j (uncounted)
         run.routing.append([mb for every in comm.allgather_object(routing) for mb in every])
-    total = 0.0
-    for share in (s for every in comm.allgather_object(shares) for s in every):
+    total, every = 0.0, comm.allgather_object(shares)
+    for share in (s for mine in every for s in mine):
         total += share  # the reference's order: micro-batch r k + j
     run.losses.append(total)
     if stage == "ddp":
@@ -145,6 +156,8 @@ def _step(comm, cfg, engine, opt, params, run, step, batches, k, groups_fn, max_
         engine.zero_grad()
     else:
         run.grad_norms.append(engine.step())
+    check_finite(step, rank=r, losses=[sum(m) for m in every], grad_norm=run.grad_norms[-1],
+                 where=f"data parallel, stage {stage}")  # fmt: skip
     recs = comm.ledger.since(mark)
     run.step_bytes.append({
         what: (comm.ledger.sent(recs, tag=f"dp/{what}*"),

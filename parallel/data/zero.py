@@ -22,6 +22,7 @@ import numpy as np
 
 from collectives import all_gather, reduce_scatter
 from emulator import scope
+from emulator.guards import check_hyper
 from emulator.optim import adamw_update
 from emulator.precision import compute_dtype, down, master_dtype, up
 from parallel.clip import global_grad_norm, scale_
@@ -40,8 +41,15 @@ def check_stage(stage) -> int:
 class ZeroOptimizer:
     def __init__(self, dp_comm, local_params: dict, stage=1, *, dtype="float64", lr=1e-3,
                  betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=None, norm_groups=(),
-                 norm_weights=None, bucket_cap_mb=25.0, units=None, mem=None):  # fmt: skip
+                 norm_weights=None, bucket_cap_mb=25.0, units=None, mem=None,
+                 poison_freed=False):  # fmt: skip
+        """``poison_freed`` (a test mode, off by default): fill a stage-3 gathered unit with NaN
+        when it is freed, so a computation that still reads it - a backward using the
+        forward's gather instead of its own - produces NaN instead of silently right values."""
         self.stage, self.comm, self.mem = check_stage(stage), dp_comm, mem
+        self.poison_freed = poison_freed
+        check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_norm=max_norm,
+                    where="ZeroOptimizer")  # fmt: skip
         self.hyper = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         self.max_norm, self.norm_groups = max_norm, tuple(norm_groups)
         self.cdt, self.mdt = compute_dtype(dtype), master_dtype(dtype)
@@ -81,17 +89,24 @@ class ZeroOptimizer:
 
     # -- memory ledger: the static state of this rank, by category -----------------------------
     def _account(self) -> None:
+        """Charge the nbytes of the arrays this rank actually holds (not products of sizes and
+        the intended itemsizes), so a buffer kept in the wrong dtype - an Adam moment in bf16 -
+        shows in the ledger against parallel/data/cost.py's closed forms. Stage 1's full
+        gradient is the accumulator every micro-batch adds into: padded x its itemsize."""
         self.statics, self.closed = [], False  # (category, name) allocated; freed by close()
         if self.mem is None:
             return
-        c, m, s = self.cdt.itemsize, self.mdt.itemsize, self.stage
         for lay in self.layouts:
-            i, n, sh = lay.index, lay.padded, lay.shard
-            entries = [("params", f"u{i}.params", (n if s < 3 else sh) * c)]
+            i = lay.index
+            held = self.full[i] if self.stage < 3 else self.pshard[i]  # compute-dtype params
+            entries = [("params", f"u{i}.params", held.nbytes)]
             if self.mixed:
-                entries.append(("params", f"u{i}.master", sh * m))
-            entries.append(("grads", f"u{i}.grads", (n if s == 1 else sh) * c))
-            entries.append(("optimizer", f"u{i}.adam", 2 * sh * m))
+                entries.append(("params", f"u{i}.master", self.master[i].nbytes))
+            grads = (
+                lay.padded * self.gshard[i].itemsize if self.stage == 1 else self.gshard[i].nbytes
+            )
+            entries.append(("grads", f"u{i}.grads", grads))
+            entries.append(("optimizer", f"u{i}.adam", self.m[i].nbytes + self.v[i].nbytes))
             for cat, name, nbytes in entries:
                 self.mem.alloc(cat, name, nbytes)
                 self.statics.append((cat, name))
@@ -190,7 +205,9 @@ class ZeroOptimizer:
         return self.layouts[i].views(self.gathered[i])
 
     def free(self, i: int) -> None:
-        del self.gathered[i]
+        buf = self.gathered.pop(i)
+        if self.poison_freed:  # test mode: any later read of this memory shows as NaN
+            buf[...] = np.nan
         if self.mem is not None:
             self.mem.free("params", f"u{i}.gathered")
 

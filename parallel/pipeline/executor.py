@@ -19,19 +19,12 @@ from collections import deque
 
 import numpy as np
 
+from emulator import scope
 from emulator.memory import saved_nbytes
-from emulator.model import (
-    block_backward,
-    block_forward,
-    block_params,
-    embed_backward,
-    embed_forward,
-    head_backward,
-    head_forward,
-    param_shapes,
-)
+from emulator.model import block_params, param_shapes
 from emulator.precision import down, up
-from parallel.pipeline.zero_bubble import block_backward_b, block_backward_w
+from parallel.data.common import rebind
+from parallel.layer import SINGLE
 
 EMBED = ("embed.tok", "embed.pos")
 HEAD = ("final_ln.gain", "final_ln.bias", "head.w")
@@ -114,97 +107,189 @@ class Links:
         return self.box.pop(key)
 
 
+class Accumulate:
+    """The default hooks: this stage's parameters as they are, gradients summed over the
+    micro-batches in the order the backward produces them (ascending micro-batches on every
+    schedule, as reference_train sums them). Layouts pass their own (parallel/data/axis.py)."""
+
+    def __init__(self, params):
+        self.params, self.grads = params, {}
+
+    def start(self, kind: str, mb: int, layers: list) -> None:
+        pass
+
+    def pre_forward(self, layer: str) -> dict:
+        return self.params
+
+    def post_forward(self, layer: str) -> None:
+        pass
+
+    def pre_backward(self, layer: str) -> dict:
+        return self.params
+
+    def post_backward(self, layer: str, grads: dict) -> None:
+        for n, g in grads.items():  # acc = acc + g, the reference's order and dtype steps
+            a = self.grads.get(n)
+            self.grads[n] = g if a is None else down(up(a) + up(g), g.dtype)
+
+    def result(self) -> dict:
+        return self.grads
+
+
+class OneStage:
+    """The pp "group" of a layout without a pipeline: one stage, every message stays local."""
+
+    rank, size, name = 0, 1, "one-stage"
+
+
 def run_schedule(pp, sched, split, params, mbs, cfg, *, ce_denom, aux_scales, groups=None,
-                 recompute="none", mem=None):  # fmt: skip
+                 recompute="none", mem=None, ctx=None, hooks=None, dtype=None, mb_losses=None,
+                 routing=None, io_activations=True):  # fmt: skip
     """Execute this stage's actions for one optimizer step.
 
-    params: this stage's compute-dtype parameters; mbs: the m (tokens, targets) micro-batches;
-    aux_scales[j]: micro-batch j's share of the step's routing groups (MoE aux weight);
-    groups[j]: its routing groups (flat indices b*S + s) or None (one group).
-    -> (grads summed over micro-batches in ascending order - as reference_train sums them -,
-        this stage's share of the loss, the executed actions, peak live micro-batch units).
+    params: this stage's compute-dtype parameters (or None with ``hooks``); mbs: the m (tokens,
+    targets) micro-batches; aux_scales[j]: micro-batch j's share of the step's routing groups
+    (MoE aux weight); groups[j]: its routing groups (flat indices b*S + s) or None (one group).
+    ctx: the intra-layer context (parallel/layer.py; default single rank). mb_losses (a dict):
+    filled with this stage's share of each micro-batch's loss, float(ce) + aux_coef * scale *
+    sum(aux of its blocks) - model_forward's expression; routing (a dict of lists): each MoE
+    block's decisions per micro-batch (parallel/check/routing.py), in layer order;
+    io_activations=False leaves the embedding's and head's caches out of the memory ledger
+    (the data- and tensor-parallel recipes' formulas count the blocks only). hooks: who supplies
+    each layer's parameters and takes its gradients (default Accumulate(params)): every layer
+    runs  pre_forward -> forward -> post_forward ... pre_backward -> backward -> post_backward,
+    and ``start(kind, mb, layers)`` announces each action's layers in the order it runs them.
+    -> (hooks.result() - by default the grads summed over micro-batches -, this stage's share
+        of the loss, the executed actions, peak live micro-batch units).
     """
+    ctx = SINGLE if ctx is None else ctx
+    hooks = Accumulate(params) if hooks is None else hooks
     s, p, U = pp.rank, sched.p, sched.p * sched.v
     b, S = mbs[0][0].shape
-    links = Links(pp, sched, (b, S, cfg.d_model), next(iter(params.values())).dtype)
+    dtype = next(iter(params.values())).dtype if dtype is None else dtype
+    links = Links(pp, sched, (b, ctx.seq_local(S), cfg.d_model), dtype)
     groups = groups or [None] * len(mbs)
-    caches, stash, grads = {}, {}, {}
+    caches, stash, aux = {}, {}, {}
+    io_mem = mem if io_activations else None
     loss, live, peak, done = 0.0, 0, 0, []
 
-    def add(name, g):  # acc = acc + g, the reference's order and dtype steps
-        grads[name] = g if name not in grads else down(up(grads[name]) + up(g), g.dtype)
+    def fwd_params(layer, c):
+        p = c["used"][layer] = hooks.pre_forward(layer)
+        return p
+
+    def bwd_cache(layer, c):
+        """The layer's cache rebound to the parameters pre_backward gives (FSDP re-gathers)."""
+        p = hooks.pre_backward(layer)
+        table = {id(a): p[n] for n, a in c["used"][layer].items() if p[n] is not a}
+        return rebind(c[layer], table) if table else c[layer]
 
     for a in sched.stages[s]:
         u = sched.virtual(s, a.chunk)
-        key = (a.mb, a.chunk)
+        key, j = (a.mb, a.chunk), a.mb
+        blocks = [f"blocks.{i}" for i in split[u]]
+        first, last = ["embed"] * (u == 0), ["head"] * (u == U - 1)
         if a.kind == "F":
-            tok, tgt = mbs[a.mb]
-            c = {"blocks": []}
+            hooks.start("F", j, first + blocks + last)
+            tok, tgt = mbs[j]
+            c = {"used": {}, "blocks": []}
             if u == 0:
-                x, c["embed"] = embed_forward(params, tok)
-                _alloc(mem, f"mb{a.mb}.embed", c["embed"], params)
+                p_ = fwd_params("embed", c)
+                with ctx.scope("embed", j, "fwd"):
+                    x, c["embed"] = ctx.embed_forward(p_, tok)
+                hooks.post_forward("embed")
+                _alloc(io_mem, f"mb{j}.embed", c["embed"], p_)
             else:
-                x = links.recv(("act", a.mb, u), (u - 1) % p)
+                with scope(f"pp/act/mb{j}"):
+                    x = links.recv(("act", j, u), (u - 1) % p)
             for i in split[u]:
-                kw = {"recompute": recompute, "groups": groups[a.mb], "mem": mem,
-                      "name": f"mb{a.mb}.blocks.{i}"}  # fmt: skip
-                x, bc = block_forward(block_params(params, i), x, cfg, **kw)
-                c["blocks"].append((i, bc))
-                loss += cfg.aux_loss_coef * aux_scales[a.mb] * float(bc["aux"])
+                name = f"blocks.{i}"
+                bp = block_params(fwd_params(name, c), i)
+                kw = {"recompute": recompute, "groups": groups[j], "mem": mem,
+                      "name": f"mb{j}.{name}"}  # fmt: skip
+                with ctx.scope(name, j, "fwd"):
+                    x, c[name] = ctx.block_forward(bp, x, cfg, **kw)
+                hooks.post_forward(name)
+                c["blocks"].append(i)
+                loss += cfg.aux_loss_coef * aux_scales[j] * float(c[name]["aux"])
+                aux.setdefault(j, []).append(c[name]["aux"])
+                if routing is not None and cfg.is_moe and ctx.decisions(c[name]) is not None:
+                    routing.setdefault(j, []).append(ctx.decisions(c[name]))
             if u == U - 1:
-                ce, c["head"] = head_forward(params, x, tgt, cfg, denom=ce_denom)
-                _alloc(mem, f"mb{a.mb}.head", c["head"], params)
+                p_ = fwd_params("head", c)
+                with ctx.scope("head", j, "fwd"):
+                    ce, c["head"] = ctx.head_forward(p_, x, tgt, cfg, denom=ce_denom)
+                hooks.post_forward("head")
+                _alloc(io_mem, f"mb{j}.head", c["head"], p_)
                 loss += float(ce)
+                c["ce"] = float(ce)
             else:
-                links.send(x, ("act", a.mb, u + 1), (u + 1) % p)
+                with scope(f"pp/act/mb{j}"):
+                    links.send(x, ("act", j, u + 1), (u + 1) % p)
+            if mb_losses is not None:  # model_forward's expression for this stage's share
+                share = cfg.aux_loss_coef * aux_scales[j] * sum(aux.get(j, []))
+                mb_losses[j] = mb_losses.get(j, 0.0) + c.get("ce", 0.0) + share
+                aux.pop(j, None)
             caches[key] = c
             live += 1
             peak = max(peak, live)
         elif a.kind == "B":
-            c, daux = caches.pop(key), cfg.aux_loss_coef * aux_scales[a.mb]
-            if u == U - 1:
-                dx, g = head_backward(1.0, c["head"])  # the split leaves the head whole (small)
-                _free(mem, f"mb{a.mb}.head")
-                for n, d in g.items():
-                    add(n, d)
+            hooks.start("B", j, last + blocks[::-1] + ([] if sched.split else first))
+            c, daux = caches.pop(key), cfg.aux_loss_coef * aux_scales[j]
+            if u == U - 1:  # the split leaves the head whole (small)
+                h = bwd_cache("head", c)
+                with ctx.scope("head", j, "bwd"):
+                    dx, g = ctx.head_backward(1.0, h)
+                _free(io_mem, f"mb{j}.head")
+                hooks.post_backward("head", g)
             else:
-                dx = links.recv(("grad", a.mb, u), (u + 1) % p)
+                with scope(f"pp/grad/mb{j}"):
+                    dx = links.recv(("grad", j, u), (u + 1) % p)
             deferred = []
-            for i, bc in reversed(c["blocks"]):
-                if sched.split:  # B only: input gradients now, (x, dy) pairs kept for W
-                    dx, st = block_backward_b(dx, bc, daux=daux)
-                    deferred.append((i, st))
-                else:
-                    dx, dbp = block_backward(dx, bc, daux=daux)
-                    for n, d in dbp.items():
-                        add(f"blocks.{i}.{n}", d)
+            for i in reversed(c["blocks"]):
+                name = f"blocks.{i}"
+                bc = bwd_cache(name, c)
+                with ctx.scope(name, j, "bwd"):
+                    if sched.split:  # B only: input gradients now, (x, dy) pairs kept for W
+                        dx, st = ctx.block_backward_b(dx, bc, daux)
+                        deferred.append((i, st))
+                    else:
+                        dx, dbp = ctx.block_backward(dx, bc, daux)
+                if not sched.split:
+                    hooks.post_backward(name, {f"{name}.{n}": d for n, d in dbp.items()})
             if u == 0:
-                deferred.append(("embed", (dx, c["embed"])))
+                deferred.append(("embed", (dx, c)))
             else:
-                links.send(dx, ("grad", a.mb, u - 1), (u - 1) % p)
+                with scope(f"pp/grad/mb{j}"):
+                    links.send(dx, ("grad", j, u - 1), (u - 1) % p)
             if sched.split:
                 stash[key] = deferred
             else:
-                _finish_embed(deferred, add, mem, a.mb)
+                _finish_embed(deferred, hooks, bwd_cache, ctx, io_mem, j)
                 live -= 1
         else:  # W: the weight gradients B deferred (Qi et al. 2023, section 2)
             deferred = stash.pop(key)
+            hooks.start("W", j, [f"blocks.{i}" for i, _ in deferred if i != "embed"]
+                        + ["embed"] * (u == 0))  # fmt: skip
             for i, st in deferred:
                 if i != "embed":
-                    for n, d in block_backward_w(st).items():
-                        add(f"blocks.{i}.{n}", d)
-            _finish_embed(deferred, add, mem, a.mb)
+                    dbp = ctx.block_backward_w(st)
+                    hooks.post_backward(f"blocks.{i}",
+                                        {f"blocks.{i}.{n}": d for n, d in dbp.items()})  # fmt: skip
+            _finish_embed(deferred, hooks, bwd_cache, ctx, io_mem, j)
             live -= 1
         done.append(a)
-    return grads, loss, done, peak
+    return hooks.result(), loss, done, peak
 
 
-def _finish_embed(deferred, add, mem, mb):
+def _finish_embed(deferred, hooks, bwd_cache, ctx, mem, j):
     for i, st in deferred:
         if i == "embed":
-            for n, d in embed_backward(*st).items():
-                add(n, d)
-            _free(mem, f"mb{mb}.embed")
+            dx, c = st
+            e = bwd_cache("embed", c)
+            with ctx.scope("embed", j, "bwd"):
+                g = ctx.embed_backward(dx, e)
+            _free(mem, f"mb{j}.embed")
+            hooks.post_backward("embed", g)
 
 
 def _alloc(mem, name, cache, params):

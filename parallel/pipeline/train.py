@@ -22,10 +22,11 @@ import dataclasses
 
 import emulator
 from emulator.data import shard_batch, split_microbatches
-from emulator.model import check_inputs, init_params, to_compute
-from emulator.optim import AdamW
-from parallel.clip import global_grad_norm, scale_
-from parallel.pipeline.executor import run_schedule, split_layers, stage_param_names
+from emulator.guards import check_finite, check_training
+from emulator.model import check_inputs, init_params
+from emulator.precision import compute_dtype
+from parallel.data.axis import DataAxis
+from parallel.pipeline.executor import OneStage, run_schedule, split_layers, stage_param_names
 from parallel.pipeline.schedules import SCHEDULES, Schedule, make_schedule, validate
 
 DP_MODES = ("none", "ddp", "zero1")
@@ -57,6 +58,8 @@ def pipeline_train(where, cfg, seed, batches, steps, *, schedule="1f1b", microba
     groups of a global micro-batch (as reference_train's). Returns a PipelineRun on every rank,
     comparable with reference_train(cfg, seed, batches, steps, microbatches=D*m).
     """
+    check_training("pipeline_train", steps=steps, microbatches=microbatches, lr=lr, betas=betas,
+                   eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
     mesh = where if isinstance(where, emulator.Mesh) else None
     pp = mesh["pp"] if mesh else where
     dp = mesh["dp"] if mesh and "dp" in mesh.names else None
@@ -75,7 +78,11 @@ def pipeline_train(where, cfg, seed, batches, steps, *, schedule="1f1b", microba
     full = init_params(cfg, seed)
     master = {n: full[n].copy() for n in names}
     mem = pp.memory
-    opt, ddp = _optimizer(dp, dp_mode, master, cfg, lr, betas, eps, weight_decay, max_norm, pp)
+    # the dp side: DataAxis (parallel/data/axis.py) on this stage's parameters - local sum over
+    # the micro-batches, then DDP's all-reduce or ZeRO-1's step; the norm over (dp,) pp
+    axis = DataAxis(dp if dp_mode != "none" else OneStage(), master, int(dp_mode == "zero1"),
+                    cfg, hyper={"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
+                    max_norm=max_norm, norm_groups=(pp,), mem=None)  # fmt: skip
     run = PipelineRun([], {}, {}, sched, split, [], [], [], [])
     for step in range(steps):
         tokens, targets = batches(step) if callable(batches) else batches[step]
@@ -89,31 +96,22 @@ def pipeline_train(where, cfg, seed, batches, steps, *, schedule="1f1b", microba
         # routing groups of the D m global micro-batches, numbered as reference_train's
         groups = [groups_fn(step, g, b, S) if groups_fn else None for g in range(D * m)]
         n_groups = [1 if g is None else len(g) for g in groups]
-        compute = to_compute(opt.params if dp_mode == "zero1" else master, cfg)
+        axis.begin_step()
         mem.reset_peak()
         mark = pp.ledger.mark()
-        with emulator.scope("pp"):
-            grads, loss, done, peak = run_schedule(
-                pp, sched, split, compute, mbs, cfg, ce_denom=tokens.size * D,
-                aux_scales=[n_groups[r * m + j] / sum(n_groups) for j in range(m)],
-                groups=groups[r * m : (r + 1) * m], recompute=recompute, mem=mem,
-            )  # fmt: skip
+        _, loss, done, peak = run_schedule(  # boundary traffic tagged "pp/act|grad/mb<j>"
+            pp, sched, split, None, mbs, cfg, ce_denom=tokens.size * D,
+            aux_scales=[n_groups[r * m + j] / sum(n_groups) for j in range(m)],
+            groups=groups[r * m : (r + 1) * m], recompute=recompute, mem=mem, hooks=axis,
+            dtype=compute_dtype(cfg.dtype),
+        )  # fmt: skip
         boundary = pp.ledger.since(mark)
-        grads = {n: grads[n] for n in names}  # state_dict order: sums of squares add alike
-        if dp_mode == "zero1":
-            opt.step(grads)
-        else:
-            if ddp is not None:
-                for n in reversed(names):  # buckets fill in reverse order, as in PyTorch
-                    ddp.grad_ready(n, grads[n], where="pp")
-                grads = dict(ddp.finish())
-            _clip_and_step(opt, master, grads, max_norm, pp)
-            if ddp is not None:
-                ddp.zero_grad()
+        axis.finish_step()
         recs = pp.ledger.since(mark)
         losses = pp.allgather_object(loss)
         total = sum(losses) if dp is None else sum(dp.allgather_object(sum(losses)))
         run.losses.append(total)
+        check_finite(step, rank=pp.rank, losses=losses, loss=total, where="pipeline: pp ranks")
     run.in_flight = pp.allgather_object(peak)
     run.act_peak = pp.allgather_object(mem.peak("activations"))
     sent = sum(x.nbytes for x in boundary if x.direction == "send" and x.group == pp.name)
@@ -123,13 +121,12 @@ def pipeline_train(where, cfg, seed, batches, steps, *, schedule="1f1b", microba
     run.dp_bytes = pp.allgather_object(L.sent(recs, tag="dp/grads*") + L.sent(recs, tag="dp/params*"))  # fmt: skip
     executed = pp.allgather_object(done)
     run.schedule = Schedule(sched.name, sched.p, sched.m, sched.v, sched.split, executed)
-    final = opt.master_params() if dp_mode == "zero1" else master
-    if dp is not None and dp_mode == "zero1":
-        grads = _sum_over(dp, grads)  # for the check only (uncounted)
+    final, grads = axis.local_state()  # ZeRO-1: gathered over dp (uncounted, the check)
     for part in pp.allgather_object(final):
         run.params.update(part)
     for part in pp.allgather_object(grads):
         run.grads.update(part)
+    axis.close()
     return run
 
 
@@ -152,36 +149,3 @@ def resolve_schedule(schedule, p: int, microbatches=None, chunks=None) -> Schedu
         raise ValueError(f"schedule {sched.name!r} is built for p={sched.p} stages but the "
                          f"pipeline group has {p} ranks")  # fmt: skip
     return validate(sched)
-
-
-def _optimizer(dp, mode, master, cfg, lr, betas, eps, weight_decay, max_norm, pp):
-    if mode == "zero1":
-        from parallel.data.zero import ZeroOptimizer
-
-        return ZeroOptimizer(dp, master, stage=1, dtype=cfg.dtype, lr=lr, betas=betas, eps=eps,
-                             weight_decay=weight_decay, max_norm=max_norm,
-                             norm_groups=[pp]), None  # fmt: skip
-    opt = AdamW(master, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    if mode == "ddp":
-        from parallel.data.ddp import DDP
-
-        return opt, DDP(dp, master, dtype=cfg.dtype)
-    return opt, None
-
-
-def _clip_and_step(opt, master, grads, max_norm, pp):
-    """Clip by the global norm (parallel/clip.py: every layout's one implementation), then
-    AdamW on this stage's parameters. The stages hold different parts of the gradient, so the
-    local sum of squares is all-reduced over pp only: every dp replica of a stage holds the
-    same summed gradient (DDP), so adding over dp would count it D times."""
-    if max_norm is not None:
-        _, coef = global_grad_norm(grads, (pp,), max_norm=max_norm, tag="clip")
-        if coef < 1.0:
-            grads = {n: g.copy() for n, g in grads.items()}  # run.grads stay unclipped
-            scale_(grads, coef)
-    opt.step(master, grads)
-
-
-def _sum_over(comm, grads):
-    parts = comm.allgather_object(grads)
-    return {n: sum(p[n] for p in parts[1:]) + parts[0][n] for n in grads}

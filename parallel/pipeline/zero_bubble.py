@@ -62,8 +62,10 @@ def block_backward_b(dx, cache, daux=None):
         raise ValueError("the B/W split needs the block's cache: use recompute 'none'/'selective'")
     daux = cfg.aux_loss_coef if daux is None else daux
     c, st = cache["saved"], {"bp": bp, "mem": mem, "name": name}
+    # the block's attention / MoE pairs (emulator/block.py: a layout's drop-ins or emulator's)
+    attention_bwd = cache.get("attention", (None, attention_backward))[1]
     if cfg.is_moe:
-        dm, dmp = moe_backward(dx, c["moe"], daux)
+        dm, dmp = cache.get("moe_fn", (None, moe_backward))[1](dx, c["moe"], daux)
         st["done"] = {"moe." + n: d for n, d in dmp.items()}
     else:
         st["w2"] = (dx, c["w2"])
@@ -73,7 +75,7 @@ def block_backward_b(dx, cache, daux=None):
     st["ln2"] = (dm, c["ln2"])
     dx = add(dx, layernorm_dx(dm, c["ln2"]))
     st["o"] = (dx, c["o"])
-    dq, dk, dv = attention_backward(linear_dx(dx, c["o"]), c["attn"])
+    dq, dk, dv = attention_bwd(linear_dx(dx, c["o"]), c["attn"])
     st.update(q=(dq, c["q"]), k=(dk, c["k"]), v=(dv, c["v"]))
     da = down(up(linear_dx(dq, c["q"])) + up(linear_dx(dk, c["k"])) + up(linear_dx(dv, c["v"])),
               dx.dtype)  # fmt: skip

@@ -113,9 +113,11 @@ def bias_grad(dy, dtype):
 
 # ---- the block --------------------------------------------------------------------------------
 def tp_block_forward(tp, bp, x, cfg, *, sp=False, regather=True, keep_probs=True, groups=None,
-                     mem=None, name="block"):  # fmt: skip
+                     mem=None, name="block", attention=None):  # fmt: skip
     """bp: this rank's shards with local names; x (B, S_l, H) -> (x_out (B, S_l, H), cache).
 
+    ``attention``: a (forward, backward) pair replacing emulator.ops's attention core on this
+    rank's heads (as emulator/block.py's; a context-parallel drop-in); None = emulator's.
     ``regather`` (SP only): keep the S/R slice of each column-parallel input and all-gather it
     again in the backward (Korthikanti et al. 2022, section 4.2.2), instead of keeping the
     gathered (B, S, H) copy. It costs two extra all-gathers per layer, tagged "regather".
@@ -126,7 +128,8 @@ def tp_block_forward(tp, bp, x, cfg, *, sp=False, regather=True, keep_probs=True
     q, c["q"] = linear_forward(a_full, bp["attn.wq"], bp["attn.bq"])  # (B, S, H/R) whole heads
     k, c["k"] = linear_forward(a_full, bp["attn.wk"], bp["attn.bk"])
     v, c["v"] = linear_forward(a_full, bp["attn.wv"], bp["attn.bv"])
-    o, c["attn"] = attention_forward(q, k, v, cfg.n_heads // tp.size, keep_probs=keep_probs)
+    attention = (attention_forward, attention_backward) if attention is None else attention
+    o, c["attn"] = attention[0](q, k, v, cfg.n_heads // tp.size, keep_probs=keep_probs)
     y, c["o"] = linear_forward(o, bp["attn.wo"])  # (B, S, H) partial: bo comes after g
     x = add(x, add(leave(tp, y, sp), bp["attn.bo"]))  # g
     m, c["ln2"] = layernorm_forward(x, bp["ln2.gain"], bp["ln2.bias"], cfg.ln_eps)
@@ -146,7 +149,7 @@ def tp_block_forward(tp, bp, x, cfg, *, sp=False, regather=True, keep_probs=True
             c[key] = (None, *c[key][1:])
         if not cfg.is_moe:
             c["m"] = m
-    c.update(aux=aux, regather=drop, mem=mem, name=name, bp=bp, cfg=cfg)
+    c.update(aux=aux, regather=drop, mem=mem, name=name, bp=bp, cfg=cfg, attention=attention)
     if mem is not None:
         mem.alloc("activations", name, saved_nbytes(c, exclude=bp.values()))
     return x, c
@@ -184,7 +187,7 @@ def tp_block_backward(tp, dx, c, daux=None):
     dx = add(dx, dln2)
     g["attn.bo"] = bias_grad(dx, bp["attn.bo"].dtype)
     do, g["attn.wo"], _ = linear_backward(leave_backward(tp, dx, sp), c["o"])  # g^T
-    dq, dk, dv = attention_backward(do, c["attn"])
+    dq, dk, dv = c["attention"][1](do, c["attn"])
     a_full = _linear_input(tp, c, "q", "a")  # (B, S, H): q, k, v share one input
     da_q, g["attn.wq"], g["attn.bq"] = linear_backward(dq, (a_full, *c["q"][1:]))
     da_k, g["attn.wk"], g["attn.bk"] = linear_backward(dk, (a_full, *c["k"][1:]))

@@ -5,7 +5,9 @@ the single-rank AdamW, which is elementwise and so exact on shards. One step mir
 emulator/reference.py: micro-batches, CE normalised by the global token count, gradients summed,
 then (SP only) the partial replicated gradients summed over tp, optional clipping by the global
 norm (sharded squares all-reduced over tp, replicated ones counted once), then AdamW.
-Every collective of block i in micro-batch j runs under the scope "blocks.{i}/mb{j}/fwd" or
+The layers run on the one model driver (parallel/pipeline/executor.py, one stage: F0 B0 F1 B1
+...) through a TP LayerContext (parallel/layer.py). Every collective of block i in micro-batch j
+runs under the scope "blocks.{i}/mb{j}/fwd" or
 ".../bwd" (the embedding and head likewise: "embed/mb{j}/fwd", ...), so the ledger gives bytes per
 layer per micro-batch (parallel/tensor/cost.py has the formulas); the backward's SP re-gathers add
 "/regather", an MoE block's gate-gradient all-reduce "/gates".
@@ -19,66 +21,42 @@ import numpy as np
 
 from emulator import Mesh, scope
 from emulator.data import split_microbatches
-from emulator.model import block_params, check_inputs, init_params, to_compute
-from parallel.check.routing import decisions
-from parallel.data.common import loss_scales
+from emulator.guards import check_finite, check_training
+from emulator.model import check_inputs, init_params, to_compute
+from emulator.precision import compute_dtype
+from parallel.data.common import Hooks, loss_scales
 from parallel.data.train import check_layout
-from parallel.tensor.block import check_tp, megatron_plan, tp_block_backward, tp_block_forward
+from parallel.layer import LayerContext
+from parallel.pipeline.executor import OneStage, run_schedule
+from parallel.pipeline.schedules import make_schedule
+from parallel.tensor.block import check_tp, megatron_plan
 from parallel.tensor.dp import DataParallelSync
 from parallel.tensor.sequence import reduce_partial_grads
 from parallel.tensor.shard import shard, unshard
-from parallel.tensor.vocab import (
-    vocab_embedding_backward,
-    vocab_embedding_forward,
-    vocab_head_backward,
-    vocab_head_forward,
-)
 
 
-def _scope(where: str, mb: str, phase: str):
-    """The ledger tag "<where>/<mb>/<phase>" ("blocks.0/mb1/bwd"; no mb part if mb is "")."""
-    return scope("/".join(x for x in (where, mb, phase) if x))
+class _TPHooks(Hooks):
+    """tp_train's side of the driver: every layer computes with the rank's compute shards; a
+    micro-batch's gradients, complete once its embedding backward has run, go to the dp sync
+    (DDP buckets, ZeRO-1 or a local sum: parallel/tensor/dp.py) in one piece."""
 
+    def __init__(self, compute, sync, names, k, mem):
+        self.compute, self.sync, self.names, self.k, self.mem = compute, sync, names, k, mem
+        self.mb_grads, self.act = {}, {}
 
-def tp_model_forward(tp, p, tokens, targets, cfg, *, sp=False, regather=True, recompute="none",
-                     groups=None, ce_denom=None, aux_scale=1.0, mem=None, prefix=""):  # fmt: skip
-    """p: this rank's shards (compute dtype) -> (loss, cache). Blocks' activations -> ``mem``
-    under names prefixed by ``prefix`` ("mb{j}."), which also names the ledger scopes."""
-    if recompute not in ("none", "selective"):
-        raise ValueError(
-            f"tensor parallel supports recompute 'none' or 'selective', not {recompute!r}"
-        )
-    mb = prefix.rstrip(".")
-    with _scope("embed", mb, "fwd"):
-        x, ecache = vocab_embedding_forward(tp, tokens, p["embed.tok"], p["embed.pos"], sp=sp)
-    blocks = []
-    for i in range(cfg.n_layers):
-        with _scope(f"blocks.{i}", mb, "fwd"):
-            kw = {"sp": sp, "regather": regather, "keep_probs": recompute == "none"}
-            x, c = tp_block_forward(tp, block_params(p, i), x, cfg, groups=groups, mem=mem,
-                                    name=f"{prefix}blocks.{i}", **kw)  # fmt: skip
-        blocks.append(c)
-    with _scope("head", mb, "fwd"):
-        ce, hcache = vocab_head_forward(tp, p, x, targets, cfg, sp=sp, denom=ce_denom)
-    daux = cfg.aux_loss_coef * aux_scale
-    loss = float(ce) + daux * sum(c["aux"] for c in blocks)
-    cache = {"embed": ecache, "blocks": blocks, "head": hcache, "daux": daux, "ce": float(ce)}
-    return loss, cache | {"mb": mb}
+    def start(self, kind: str, mb: int, layers: list) -> None:
+        self.mb = mb
+        if kind == "B":  # after this micro-batch's forward: the blocks' live activations
+            self.act = {n: self.mem.nbytes("activations", n) for n in self.mem.live("activations")}
 
+    def pre_forward(self, layer: str) -> dict:
+        return self.compute
 
-def tp_model_backward(tp, cache, names) -> dict:
-    """-> this rank's gradients by name (in ``names`` order)."""
-    grads, mb = {}, cache["mb"]
-    with _scope("head", mb, "bwd"):
-        dx, g = vocab_head_backward(tp, 1.0, cache["head"])
-    grads.update(g)
-    for i in reversed(range(len(cache["blocks"]))):
-        with _scope(f"blocks.{i}", mb, "bwd"):
-            dx, dbp = tp_block_backward(tp, dx, cache["blocks"][i], daux=cache["daux"])
-        grads.update({f"blocks.{i}.{n}": d for n, d in dbp.items()})
-    with _scope("embed", mb, "bwd"):
-        grads["embed.tok"], grads["embed.pos"] = vocab_embedding_backward(tp, dx, cache["embed"])
-    return {n: grads[n] for n in names}
+    def post_backward(self, layer: str, grads: dict) -> None:
+        self.mb_grads.update(grads)
+        if layer == "embed":  # the last layer of the backward
+            grads, self.mb_grads = {n: self.mb_grads[n] for n in self.names}, {}
+            self.sync.feed(grads, last=self.mb == self.k - 1)
 
 
 @dataclasses.dataclass
@@ -122,8 +100,11 @@ def tp_train(mesh, cfg, seed, batches, steps, *, sequence_parallel=False, regath
     (parallel/check/routing.py compares them with the reference's) and the replicated tensors
     whose copies differ across tp ranks (none in a correct run).
     """
+    check_training("tp_train", steps=steps, microbatches=microbatches, lr=lr, betas=betas,
+                   eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh, tp=mesh.world_size)
     tp, t, sp = mesh["tp"], mesh.size("tp"), sequence_parallel
+    ctx = LayerContext(tp=tp, sp=sp, regather=regather, tag="")
     check_tp(cfg, t)
     plan = megatron_plan(cfg)
     full = init_params(cfg, seed) if params is None else params
@@ -142,27 +123,32 @@ def tp_train(mesh, cfg, seed, batches, steps, *, sequence_parallel=False, regath
         b, S = mbs[0][0].shape
         groups = [groups_fn(step, g, b, S) if groups_fn else None for g in range(sync.D * k)]
         n_groups = [1 if g is None else len(g) for g in groups]
-        compute, shares = sync.compute_params(to_compute), []
-        routing.append([])
-        for j, (tk, tg) in enumerate(mbs):
-            g_id = sync.rank * k + j  # the reference's micro-batch number
-            ce_denom, aux_scale = loss_scales(tokens.size, n_groups[g_id], sum(n_groups))
-            mb_loss, cache = tp_model_forward(
-                tp, compute, tk, tg, cfg, sp=sp, regather=regather, recompute=recompute,
-                groups=groups[g_id], ce_denom=ce_denom, aux_scale=aux_scale, mem=mem,
-                prefix=f"mb{j}.",
-            )  # fmt: skip
-            act = {n: mem.nbytes("activations", n) for n in mem.live("activations")}
-            if cfg.is_moe:
-                routing[-1].append([decisions(c["moe"]["groups"]) for c in cache["blocks"]])
-            sync.feed(tp_model_backward(tp, cache, params), last=j == k - 1)
-            shares.append(mb_loss)
+        compute = sync.compute_params(to_compute)
+        hooks = _TPHooks(compute, sync, list(params), k, mem)
+        mb_losses, routes = {}, {}
+        if recompute not in ("none", "selective"):
+            raise ValueError(
+                f"tensor parallel supports recompute 'none' or 'selective', not {recompute!r}"
+            )
+        # the one model driver: one stage running F0 B0 F1 B1 ... with the TP layer context;
+        # scopes "<layer>/mb<j>/<fwd|bwd>" as before (tag="")
+        run_schedule(OneStage(), make_schedule("1f1b", 1, k), [list(range(cfg.n_layers))], None,
+                     mbs, cfg, ce_denom=tokens.size,
+                     aux_scales=[loss_scales(tokens.size, n_groups[sync.rank * k + j],
+                                             sum(n_groups))[1] for j in range(k)],
+                     groups=groups[sync.rank * k : (sync.rank + 1) * k], recompute=recompute,
+                     mem=mem, ctx=ctx, hooks=hooks, dtype=compute_dtype(cfg.dtype),
+                     mb_losses=mb_losses, routing=routes, io_activations=False)  # fmt: skip
+        act, shares = hooks.act, [mb_losses[j] for j in range(k)]
+        routing.append([routes.get(j, []) for j in range(k)] if cfg.is_moe else [])
         acc = sync.gradients()
         if sp:
             with scope("sp/grads"):  # LayerNorm & co. saw only S/R positions: sum them over tp
                 acc = reduce_partial_grads(tp, acc)
         losses.append(sync.total_loss(shares))
         norms.append(sync.step(acc))
+        check_finite(step, rank=mesh.comm.rank, loss=losses[-1], grad_norm=norms[-1],
+                     where="tensor parallel")  # fmt: skip
     master, grads = sync.full_state()
     grads = acc if grads is None else grads
     every = tp.allgather_object((master, grads))  # uncounted: the check, not the training

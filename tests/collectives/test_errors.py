@@ -100,9 +100,12 @@ def test_non_contiguous_input_is_handled():
             all_gather(comm, x.T),
         )
 
-    for y, rs, ag in run(fn, 3):
-        assert np.array_equal(y, sum(b[:, ::2] for b in base))
-        assert ag.shape == (9, 4)
+    total = sum(b[:, ::2] for b in base)  # (4, 3)
+    for r, (y, rs, ag) in enumerate(run(fn, 3)):
+        assert np.array_equal(y, total)
+        # rank r keeps row r of the (3, 4) sum of the transposes (np.array_split over 3 ranks)
+        assert np.array_equal(rs, np.array_split(total.T, 3)[r])
+        assert np.array_equal(ag, np.concatenate([b[:, ::2].T for b in base]))  # (9, 4)
     assert all(
         np.array_equal(b, np.arange(24.0).reshape(4, 6) * (r + 1)) for r, b in enumerate(base)
     )

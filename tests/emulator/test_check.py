@@ -5,7 +5,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from emulator.check import assert_close, compare, compare_abs, compare_run, verdict
+from emulator.check import (
+    assert_close,
+    compare,
+    compare_abs,
+    compare_replicas,
+    compare_run,
+    verdict,
+)
 from emulator.data import synthetic_batch
 from emulator.model import ModelConfig
 from emulator.reference import reference_train
@@ -165,3 +172,27 @@ def test_verdict_line():
         line
         == "VERDICT: FAIL - rank 0: bytes; rank 1: bytes; rank 2: bytes; rank 3: bytes; 2 more above"
     )
+
+
+def test_compare_replicas_names_the_rank_field_and_tensor_bitwise():
+    a = {"losses": [1.0, 2.0], "params": {"w": np.ones(3), "b": np.zeros(2)}}
+    same = {"losses": [1.0, 2.0], "params": {"w": np.ones(3), "b": np.zeros(2)}}
+    off = {
+        "losses": [1.0, 2.0],
+        "params": {"w": np.array([1.0, 1.0, 1.0 + 2**-52]), "b": np.zeros(2)},
+    }
+    assert compare_replicas([a, same], ("losses", "params")) == []
+    assert compare_replicas([a, same, off], ("losses", "params")) == [
+        "replicas differ: rank 2's params w != rank 0's"
+    ]
+    late = {"losses": [1.0, 2.5], "params": {"w": np.ones(3)}}  # a missing tensor counts too
+    assert compare_replicas([a, late], ("losses", "params")) == [
+        "replicas differ: rank 1's losses (all) != rank 0's",
+        "replicas differ: rank 1's params b != rank 0's",
+    ]
+
+
+def test_verdict_skip_is_not_a_pass_and_a_failure_wins():
+    assert verdict([], "x", skipped="nothing comparable") == "VERDICT: SKIP - nothing comparable; x"
+    assert verdict(["bad"], "x", skipped="nothing").startswith("VERDICT: FAIL - bad")
+    assert verdict([], "x") == "VERDICT: PASS - x"

@@ -35,9 +35,12 @@ def test_norm_over_dp_then_tp_with_replicated_weights_equals_single_rank():
     assert len({(n, c) for *_, n, c, _ in out}) == 1  # one norm, bitwise, on all ranks
     norm = out[0][2]
     assert abs(norm - want_norm) <= 1e-15 * want_norm  # summation order only
+    assert out[0][3] < 1.0  # the clip is active, so the scaled values below are checked
     for d, t, _, _, g in out:
         want_w = want_grads["w"][2 * t : 2 * t + 2, 3 * d : 3 * d + 3]
         np.testing.assert_allclose(g["w"], want_w, rtol=1e-15)
+        # the replicated gain: each tp copy is clipped by the same coefficient, not 1/2 of it
+        np.testing.assert_allclose(g["gain"], want_grads["gain"][3 * d : 3 * d + 3], rtol=1e-15)
 
 
 def test_no_groups_no_clip_and_bad_max_norm():

@@ -17,7 +17,7 @@ from .helpers import assert_matches, check_formulas, run_both, tiny
 def test_ddp_equals_reference_and_formulas(D, k, cap):
     cfg = tiny()
     runs, ref = run_both(cfg, D, stage="ddp", microbatches=k, bucket_cap_mb=cap, steps=3)
-    assert_matches(runs[0], ref)
+    assert_matches(runs, ref)
     check_formulas(runs, cfg, "ddp", k=k)  # 2 Psi_pad (D-1)/D * 8 bytes each way; memory
 
 

@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import emulator
-from emulator.check import compare_run
+from emulator.check import compare_replicas, compare_run
 from emulator.data import synthetic_batch
 from emulator.model import ModelConfig
 from emulator.reference import reference_train
@@ -22,13 +22,17 @@ from parallel.tensor.train import tp_train
 STEPS = 3
 
 
+# not AdamW's defaults, so a layout that ignores one of them fails (tests/parallel/data/helpers.py)
+OPT = {"weight_decay": 0.1, "betas": (0.8, 0.99), "eps": 1e-6}
+
+
 def run(cfg, t, B, S, *, sp=False, regather=True, microbatches=1, max_norm=None, recompute="none",
         routing=False):  # fmt: skip
     """tp_train on t virtual ranks beside reference_train; -> (runs, ref[, reference routing]).
     Each run carries its last step's ledger figures: ``mb_bytes[i, j]`` = (sent, received) of
     block i in micro-batch j, ``tag_bytes`` by row, ``total``."""
     batches = lambda s: synthetic_batch(7, s, B, S, cfg.vocab_size)
-    kw = {"microbatches": microbatches, "max_norm": max_norm, "recompute": recompute}
+    kw = {"microbatches": microbatches, "max_norm": max_norm, "recompute": recompute, **OPT}
     ref = reference_train(cfg, 3, batches, STEPS, **kw)
 
     def fn(comm):
@@ -57,7 +61,9 @@ def run(cfg, t, B, S, *, sp=False, regather=True, microbatches=1, max_norm=None,
 
 
 def assert_matches(runs, ref, rtol):
+    """Rank 0's run against the reference; every rank's losses, grads, params bitwise rank 0's."""
     worst, problems = compare_run(runs[0], ref, rtol)
+    problems += compare_replicas(runs)
     assert not problems, "\n".join(problems)
     return worst
 

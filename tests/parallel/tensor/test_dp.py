@@ -29,12 +29,13 @@ def test_dp_x_tp_equals_reference(stage, sp, moe):
                       n_experts=3 if moe else 0, moe_top_k=2)  # fmt: skip
     B, S, D, T, k = 8, 4, 2, 2, 2
     batches = lambda s: synthetic_batch(5, s, B, S, cfg.vocab_size)
-    ref = reference_train(cfg, 2, batches, 3, microbatches=D * k, max_norm=0.2)
+    opt = {"weight_decay": 0.1, "betas": (0.8, 0.99), "eps": 1e-6}  # not AdamW's defaults
+    ref = reference_train(cfg, 2, batches, 3, microbatches=D * k, max_norm=0.2, **opt)
 
     def fn(comm):
         mesh = emulator.Mesh(comm, dp=D, tp=T)
         r = tp_train(mesh, cfg, 2, batches, 3, microbatches=k, sequence_parallel=sp,
-                     max_norm=0.2, dp_stage=stage)  # fmt: skip
+                     max_norm=0.2, dp_stage=stage, **opt)  # fmt: skip
         L = comm.ledger
         r.dp_bytes = L.sent(L.select(tag="dp/grads*", step=2)) + L.sent(
             L.select(tag="dp/params*", step=2)
@@ -60,7 +61,7 @@ def test_unknown_dp_stage_is_refused():
     cfg = ModelConfig(vocab_size=8, max_seq_len=8, d_model=8, n_heads=2, n_layers=1)
     with pytest.raises(ValueError, match="composes with"):
         emulator.spawn(
-            lambda c: tp_train(emulator.Mesh(c, dp=1, tp=2), cfg, 0, [], 0, dp_stage="3"),
+            lambda c: tp_train(emulator.Mesh(c, dp=1, tp=2), cfg, 0, [], 1, dp_stage="3"),
             2,
             timeout=30,
         )
@@ -143,7 +144,9 @@ def test_a_bf16_routing_flip_is_a_near_tie_and_only_earlier_losses_compare():
     runs, ref, routing = _dp_tp_run(ModelConfig(**base, dtype="mixed"), "ddp")
     worst, problems, note = compare_tp(runs[0], ref, "mixed", routing, 2)
     assert not problems and "FLIPPED at step 0" in note and "near ties" in note, note
-    assert "no loss, gradient or parameter is comparable" in note and worst == {"loss": 0.0}
+    assert (
+        "no loss, gradient or parameter is comparable" in note and worst == {}
+    )  # nothing compared
     runs, ref, routing = _dp_tp_run(ModelConfig(**base), "ddp")
     _, problems, note = compare_tp(runs[0], ref, "float64", routing, 2)
     assert not problems and note.startswith("routing identical"), note

@@ -1,0 +1,193 @@
+"""The MPI backend's control plane: labelled exchanges with a deadline, and the end-of-run check.
+
+Every control-plane message (collective checks, object gathers, group-membership checks, the
+end-of-run check) is one point-to-point message on the group's communicator, under tag 1 (the
+group's own exchanges) or 2 (creating a subgroup), which data messages never use:
+
+    [8-byte length L][L bytes: utf-8 label][payload]
+
+The label says what the sender is doing ("all_reduce#3(algorithm='ring', ...)", "a control-plane
+object gather", "group 'tp' over world ranks [0, 1], creation #0"). Every rank sends its message
+to every other rank of the exchange and receives theirs, so each rank sees every label and they all
+reach the same verdict: equal labels pass, any difference is a `CollectiveMismatch` naming both
+ranks and both labels - a control-plane call against a counted collective included. A wait that
+expires names the ranks whose messages never came. Cost: p-1 small messages per rank per exchange
+(a 2-rank collective check measured 6 us against 9 us for an Iallgather of 16 bytes).
+
+`MPIWorld` counts each group's messages and bytes per peer (payload bytes, as the ledger); at the
+end of a run `finish` exchanges the counts, and a message sent but never received is an error
+naming sender, receiver and size.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+
+import numpy as np
+
+from .comm import CollectiveMismatch, CommError, CommTimeout, mismatch_message
+
+CTRL_TAG = 1  # a group's own control exchanges (collective checks, object gathers, the end)
+GROUP_TAG = 2  # group-membership checks, on the parent group's communicator
+OBJECTS = "a control-plane object gather (allgather_object / gather_object / barrier())"
+END = "the end-of-run check (its program returned; launch's final handshake)"
+
+
+def _mpi():
+    from mpi4py import MPI
+
+    return MPI
+
+
+def poll(done, timeout: float, report) -> None:
+    """Wait until done() is true, at most `timeout` s; then raise CommTimeout(report()).
+
+    Polls give the core away: ranks often outnumber cores (4 ranks on a 2-core laptop), and a
+    spinning rank would starve the peer it waits for. sched_yield returns at once when nothing
+    else is runnable; after 50 ms we sleep between polls so a long wait does not burn a core.
+    """
+    start = time.monotonic()
+    deadline = start + timeout
+    while not done():
+        now = time.monotonic()
+        if now > deadline:
+            raise CommTimeout(report())
+        if now - start < 0.05:
+            os.sched_yield()
+        else:
+            time.sleep(2e-4)
+
+
+def exchange(comm, mpicomm, peers: dict, label: str, payload: bytes, tag: int, what: str) -> dict:
+    """Send (label, payload) to every peer and receive theirs: {peer: (label, payload)}.
+
+    `peers` maps each other rank's index in `mpicomm` to its world rank (for messages). `comm` is
+    the MPIComm on whose behalf we wait (its timeout, rank and flight recorder).
+    """
+    MPI = _mpi()
+    text = label.encode()
+    msg = np.frombuffer(len(text).to_bytes(8, "little") + text + payload, np.uint8)
+    pending = comm.world.pending
+    for p in peers:
+        pending.append((mpicomm.Isend(msg, dest=p, tag=tag), msg))
+    comm.world.prune()
+    got: dict = {}
+    probing = dict(peers)
+    receiving: list = []
+    status = MPI.Status()
+
+    def done() -> bool:
+        for p in list(probing):
+            m = mpicomm.Improbe(source=p, tag=tag, status=status)
+            if m is not None:
+                buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+                receiving.append((p, m.Irecv(buf), buf))
+                del probing[p]
+        for item in list(receiving):
+            p, req, buf = item
+            if req.Test():
+                n = int.from_bytes(buf[:8].tobytes(), "little")
+                got[p] = (buf[8 : 8 + n].tobytes().decode(), buf[8 + n :].tobytes())
+                receiving.remove(item)
+        return not probing and not receiving
+
+    def report() -> str:
+        missing = sorted(peers[p] for p in peers if p not in got)
+        return (
+            f"rank {comm.state.rank} waited {comm.world.timeout:g} s {what} in group "
+            f"{comm.name!r}: rank(s) {missing} never arrived (they exited, are stuck, or called "
+            f"something else). Under MPI each rank reports its own flight recorder:\n  "
+            f"{comm.state.flight()}"
+        )
+
+    poll(done, comm.world.timeout, report)
+    return got
+
+
+def gather(comm, label: str, payload: bytes, what: str) -> list:
+    """Every rank of `comm` exchanges (label, payload) on its control communicator; a differing
+    label anywhere is a CollectiveMismatch on every rank. Returns the payloads in rank order."""
+    peers = {j: comm.ranks[j] for j in range(comm.world_size) if j != comm.rank}
+    got = exchange(comm, comm.ctrl, peers, label, payload, CTRL_TAG, what)
+    got[comm.rank] = (label, payload)
+    for j in range(comm.world_size):
+        if got[j][0] != label:
+            mine, theirs = (comm.state.rank, label), (comm.ranks[j], got[j][0])
+            raise CollectiveMismatch(mismatch_message(comm.name, mine, theirs))
+    return [got[j][1] for j in range(comm.world_size)]
+
+
+class Traffic:
+    """One group's point-to-point counts on this rank, per peer (group rank): messages, bytes."""
+
+    __slots__ = ("name", "ranks", "recv_b", "recv_n", "sent_b", "sent_n")
+
+    def __init__(self, name: str, ranks: tuple):
+        self.name, self.ranks = name, ranks
+        p = len(ranks)
+        self.sent_n, self.sent_b, self.recv_n, self.recv_b = [0] * p, [0] * p, [0] * p, [0] * p
+
+
+class MPIWorld:
+    def __init__(self, timeout: float, check: bool):
+        self.timeout = float(timeout)
+        self.check = check
+        self.pending: list = []  # (request, buffer): eager sends not yet known complete
+        self.traffic: dict = {}  # group key -> Traffic
+        self.live_groups = 0
+
+    def counts(self, key, name: str, ranks: tuple) -> Traffic:
+        t = self.traffic.get(key)
+        if t is None:
+            t = self.traffic[key] = Traffic(name, ranks)
+        return t
+
+    def prune(self) -> None:
+        if len(self.pending) > 32:
+            self.pending[:] = [p for p in self.pending if not p[0].Test()]
+
+    def finish(self, comm, ok: bool = True) -> list:
+        """The end-of-run handshake on the world `comm`; returns every rank's verdict.
+
+        Every rank sends its message counts; a message one rank sent and its peer never received
+        (a stray send, consumed by nothing) is a CommError on every rank naming sender, receiver
+        and size. A rank that exited or hangs never arrives: a CommTimeout names it. Then every
+        outstanding eager send is complete (each was received), and we wait for them.
+        """
+        mine = {
+            key: (t.name, t.ranks, t.sent_n, t.sent_b, t.recv_n, t.recv_b)
+            for key, t in self.traffic.items()
+            if any(t.sent_n) or any(t.recv_n)
+        }
+        payload = pickle.dumps((bool(ok), mine))
+        every = [pickle.loads(b) for b in gather(comm, END, payload, "at the end-of-run check")]
+        problems = leftovers([t for _, t in every])
+        if problems:
+            raise CommError(
+                "messages left over at the end of the run (sent, never received - a stray "
+                "send):\n  " + "\n  ".join(problems)
+            )
+        for req, _ in self.pending:
+            comm._wait(req.Test, "for a sent message to be received at exit")
+        self.pending.clear()
+        return [v for v, _ in every]
+
+
+def leftovers(tables: list) -> list:
+    """Sent-but-not-received counts, one line per (group, sender, receiver); world ranks."""
+    out = []
+    for a, table in enumerate(tables):
+        for key, (name, ranks, sent_n, sent_b, _, _) in table.items():
+            me = ranks.index(a)
+            for j, b in enumerate(ranks):
+                theirs = tables[b].get(key)
+                got_n, got_b = (theirs[4][me], theirs[5][me]) if theirs else (0, 0)
+                if sent_n[j] != got_n:
+                    n, nb = sent_n[j] - got_n, sent_b[j] - got_b
+                    out.append(
+                        f"rank {a} sent {n} message(s) ({nb} bytes) to rank {b} in group "
+                        f"{name!r} that rank {b} never received"
+                    )
+    return out

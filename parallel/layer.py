@@ -1,0 +1,146 @@
+"""The intra-layer parallel context: which function computes each layer on this rank.
+
+Every model driver (parallel/pipeline/executor.py, which runs every layout: no pipeline is one
+stage) calls a layer only through a LayerContext, so the layer's own parallelism is one object:
+
+    ctx = LayerContext()                      # single rank: emulator's functions, bitwise
+    ctx = LayerContext(tp=mesh["tp"], sp=True)  # Megatron TP (+ SP): parallel/tensor/ blocks
+    x, cache = ctx.block_forward(bp, x, cfg, recompute=..., groups=..., mem=..., name=...)
+    dx, dbp = ctx.block_backward(dx, cache, daux)
+
+tp=None (or a group of 1) is exactly the single-rank pieces (emulator.model / emulator.block),
+so a dp-only or pp-only layout computes bitwise what reference_train computes for the same
+micro-batch. With tp the blocks are parallel/tensor/block.py's: the same ops plus Megatron's
+named f / g (enter / leave) at the call sites, the vocab-parallel embedding and head.
+Every collective of a layer runs under the scope "tp/<layer>/mb<j>/<fwd|bwd>" (tp_train keeps
+its historical "<layer>/mb<j>/<fwd|bwd>", tag="").
+
+Slots for the layers still to come: `cp` (context-parallel attention, issue 13) and `ep`
+(expert-parallel MoE, issue 12) are groups the Layout refuses above 1 until wired. Their drop-ins
+(parallel/context/, parallel/expert/) plug in as ``attention=(forward, backward)`` and
+``moe=(forward, backward)``: passed to the blocks as emulator/block.py's ``attention=`` and
+``moe_fn=`` pairs (emulator's signatures; bind the group and extra arguments with
+functools.partial; parallel/context/ and parallel/expert/ build such pairs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+from emulator import scope
+from emulator.model import (
+    block_backward,
+    block_forward,
+    embed_backward,
+    embed_forward,
+    head_backward,
+    head_forward,
+)
+from parallel.check.routing import decisions
+from parallel.pipeline.zero_bubble import block_backward_b, block_backward_w
+from parallel.tensor.block import tp_block_backward, tp_block_forward
+from parallel.tensor.vocab import (
+    vocab_embedding_backward,
+    vocab_embedding_forward,
+    vocab_head_backward,
+    vocab_head_forward,
+)
+
+
+@dataclasses.dataclass
+class LayerContext:
+    tp: object = None  # the tp group (a Comm) or None
+    sp: bool = False  # sequence parallelism between the TP regions
+    regather: bool = True  # SP: keep S/t slices, all-gather them again in the backward
+    cp: object = None  # slot: the context-parallel group (issue 13)
+    ep: object = None  # slot: the expert-parallel group (issue 12)
+    tag: str = "tp/"  # ledger scope prefix of the tp traffic ("" keeps tp_train's tags)
+    # drop-ins for the two layers other axes cut (None = emulator.ops / emulator.moe): a pair
+    # (forward, backward) with emulator's signatures, on this rank's local tensors
+    attention: tuple | None = None  # (attention_forward, attention_backward): cp, issue 13
+    moe: tuple | None = None  # (moe_forward, moe_backward): ep, issue 12 (single-rank block)
+
+    def __post_init__(self):
+        if self.tp is not None and self.tp.size == 1:
+            self.tp, self.sp = None, False  # a group of one: the single-rank pieces (SP over
+            # one rank cuts nothing; parallel.Layout refuses asking for it)
+        for k in ("cp", "ep"):
+            g = getattr(self, k)
+            if g is not None and g.size > 1:
+                raise ValueError(f"LayerContext: {k} > 1 is not wired in yet (issues 12/13)")
+
+    @property
+    def t(self) -> int:
+        return 1 if self.tp is None else self.tp.size
+
+    def seq_local(self, S: int) -> int:
+        """Sequence positions this rank holds between layers: S, or S/t under SP."""
+        return S // self.t if self.sp else S
+
+    def scope(self, layer: str, mb: int, phase: str):
+        """The ledger tag of this layer's tp traffic (none without tp)."""
+        if self.tp is None:
+            return contextlib.nullcontext()
+        return scope(f"{self.tag}{layer}/mb{mb}/{phase}")
+
+    def decisions(self, cache):
+        """An MoE block's routing decisions (parallel/check/routing.py) from its cache; None
+        when the cache does not keep them (recompute="full")."""
+        if self.tp is None:
+            return decisions(cache["saved"]["moe"][0]) if "moe" in cache["saved"] else None
+        return decisions(cache["moe"]["groups"])
+
+    # ---- embedding and head: (B, S) ids -> (B, S_l, H) ... -> the CE sum / denom ------------
+    def embed_forward(self, p, tokens):
+        if self.tp is None:
+            return embed_forward(p, tokens)
+        return vocab_embedding_forward(self.tp, tokens, p["embed.tok"], p["embed.pos"], sp=self.sp)
+
+    def embed_backward(self, dx, cache) -> dict:
+        if self.tp is None:
+            return embed_backward(dx, cache)
+        dtok, dpos = vocab_embedding_backward(self.tp, dx, cache)
+        return {"embed.tok": dtok, "embed.pos": dpos}
+
+    def head_forward(self, p, x, targets, cfg, *, denom):
+        if self.tp is None:
+            return head_forward(p, x, targets, cfg, denom=denom)
+        return vocab_head_forward(self.tp, p, x, targets, cfg, sp=self.sp, denom=denom)
+
+    def head_backward(self, dce, cache):
+        if self.tp is None:
+            return head_backward(dce, cache)
+        return vocab_head_backward(self.tp, dce, cache)
+
+    # ---- one transformer block ------------------------------------------------------------
+    def block_forward(self, bp, x, cfg, *, recompute="none", groups=None, mem=None, name="block"):
+        """x (B, S_l, H) -> (x_out, cache); the MoE aux loss is cache["aux"]."""
+        if self.tp is None:
+            kw = {"recompute": recompute, "groups": groups, "mem": mem, "name": name}
+            return block_forward(bp, x, cfg, attention=self.attention, moe_fn=self.moe, **kw)
+        if recompute == "full":
+            raise ValueError("tensor parallel blocks support recompute 'none' or 'selective'")
+        if self.moe is not None:
+            raise ValueError("an MoE drop-in (expert parallelism) under tp > 1 is not wired yet")
+        return tp_block_forward(self.tp, bp, x, cfg, sp=self.sp, regather=self.regather,
+                                keep_probs=recompute == "none", groups=groups, mem=mem,
+                                name=name, attention=self.attention)  # fmt: skip
+
+    def block_backward(self, dx, cache, daux):
+        """-> (dx_in (B, S_l, H), {local name: grad} in bp's order)."""
+        if self.tp is None:
+            return block_backward(dx, cache, daux=daux)
+        return tp_block_backward(self.tp, dx, cache, daux=daux)
+
+    def block_backward_b(self, dx, cache, daux):
+        """The B half of a split backward (zero-bubble schedules): single-rank blocks only."""
+        if self.tp is not None:
+            raise ValueError("the B/W split exists for the single-rank block only (tp = 1)")
+        return block_backward_b(dx, cache, daux=daux)
+
+    def block_backward_w(self, stash) -> dict:
+        return block_backward_w(stash)
+
+
+SINGLE = LayerContext()  # the single-rank context (pipeline_train, the reference's pieces)

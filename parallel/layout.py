@@ -1,0 +1,169 @@
+"""A training layout as data: the degree of every axis and the features, validated before
+anything runs, and the device mesh it lays over the ranks.
+
+    layout = Layout(dp=2, pp=2, tp=2, zero=3, sequence_parallel=True, microbatches=4)
+    layout.validate(world_size=8, cfg=cfg, batch=(B, S))   # ONE ValueError naming every problem
+    mesh = layout.mesh(comm)                                  # Mesh(dp, pp, cp, tp)
+
+Mesh axis order (outermost first) dp, pp, cp, tp: row-major, so tp varies fastest and a tp group
+is a block of neighbouring global ranks (one node's NVLink domain), then cp, then pp, then dp -
+Megatron-LM's and Llama 3's order [TP, CP, PP, DP] innermost-first (Dubey et al. 2024, "The
+Llama 3 Herd of Models", section 3.3.2): the axis with the most traffic per step (TP: four
+all-reduces of the hidden state per block) gets the fastest links, DP (one reduction per step,
+overlapped) the slowest. `cp` (issue 13, context parallelism) and `ep` (issue 12, expert
+parallelism) are slots: validated, refused above 1 until those layers are wired in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from emulator.mesh import Mesh
+from parallel.pipeline.schedules import SCHEDULES, make_schedule
+from parallel.pipeline.schedules import validate as validate_schedule
+
+AXES = ("dp", "pp", "cp", "tp")  # mesh order, outermost first (tp innermost: neighbours)
+DTYPES = ("float64", "float32", "mixed")
+RECOMPUTES = ("none", "selective", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    cp: int = 1  # context parallelism: issue 13
+    ep: int = 1  # expert parallelism: issue 12
+    zero: int = 0  # on the dp axis: 0 = DDP (replicated optimizer), 1/2/3 = ZeRO stage
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    chunks: int = 1  # model chunks per pipeline stage (interleaved)
+    microbatches: int = 1  # per dp rank and step: gradient accumulation = pipeline micro-batches
+    recompute: str = "none"
+    dtype: str = "float64"
+    reshard_after_forward: bool = True  # ZeRO-3
+    prefetch: bool = False  # ZeRO-3
+    regather: bool = (
+        True  # SP: re-gather the S/t inputs in the backward (Korthikanti section 4.2.2)
+    )
+    bucket_cap_mb: float = 25.0  # DDP / ZeRO-1 buckets
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.pp * self.chunks
+
+    def __str__(self) -> str:
+        d = dataclasses.asdict(self)
+        axes = " x ".join(f"{a}{d[a]}" for a in ("dp", "pp", "cp", "tp", "ep") if d[a] > 1)
+        rest = [f"zero={self.zero}"] + [
+            f"{k}={v}" for k, v in d.items() if k not in (*AXES, "ep", "zero")
+            and v != getattr(Layout, k)
+        ]  # fmt: skip
+        return f"Layout({axes or 'single rank'} = {self.world} ranks; {', '.join(rest)})"
+
+    def problems(self, world_size=None, cfg=None, batch=None) -> list[str]:
+        """Every reason this layout cannot run (empty: it can). batch: (B, S) or B."""
+        bad = []
+        for k in ("dp", "pp", "tp", "cp", "ep", "chunks", "microbatches"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                bad.append(f"{k}={v!r} must be an int >= 1")
+        if bad:
+            return bad
+        if world_size is not None and self.world != world_size:
+            bad.append(f"dp*pp*cp*tp = {self.dp}*{self.pp}*{self.cp}*{self.tp} = {self.world} "
+                       f"but the world has {world_size} ranks; {_fits(self, world_size)}")  # fmt: skip
+        if self.cp > 1:
+            bad.append(f"cp={self.cp}: context parallelism is not wired into parallel.train yet "
+                       f"(issue 13); use cp=1, or parallel/context/train.py's cp_train for "
+                       f"cp x dp")  # fmt: skip
+        if self.ep > 1:
+            bad.append(f"ep={self.ep}: expert parallelism is not wired into parallel.train yet "
+                       f"(issue 12); use ep=1 (MoE experts replicated or split over tp like the "
+                       f"MLP), or parallel/expert/train.py's ep_train for ep x dp")  # fmt: skip
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+            bad.append(f"zero={self.zero!r}: choose 0 (DDP), 1, 2 or 3")
+        if self.dtype not in DTYPES:
+            bad.append(f"dtype={self.dtype!r}: choose one of {DTYPES}")
+        if self.recompute not in RECOMPUTES:
+            bad.append(f"recompute={self.recompute!r}: choose one of {RECOMPUTES}")
+        elif self.recompute == "full" and (self.tp > 1 or self.schedule == "zb-h1"):
+            why = "the tensor-parallel block" if self.tp > 1 else "zb-h1's B/W split"
+            bad.append(f"recompute='full' is not supported with {why} (it keeps only the "
+                       f"block input); use 'none' or 'selective'")  # fmt: skip
+        if self.sequence_parallel and self.tp == 1:
+            bad.append("sequence_parallel=True needs tp > 1: it cuts the sequence over the tp "
+                       "group")  # fmt: skip
+        if self.schedule not in SCHEDULES:
+            bad.append(f"schedule={self.schedule!r}: choose one of {SCHEDULES}")
+        else:
+            try:
+                validate_schedule(make_schedule(self.schedule, self.pp, self.microbatches,
+                                                self.chunks))  # fmt: skip
+            except ValueError as e:
+                bad.append(f"schedule {self.schedule!r} with pp={self.pp}, microbatches="
+                           f"{self.microbatches}, chunks={self.chunks}: {e}")  # fmt: skip
+        if self.zero == 3 and self.schedule == "zb-h1":
+            bad.append("zero=3 with zb-h1: FSDP frees a unit after its backward, but the B/W "
+                       "split defers the weight gradients past it; use zero <= 2 or another "
+                       "schedule")  # fmt: skip
+        if self.tp > 1 and self.schedule == "zb-h1":
+            bad.append("tp > 1 with zb-h1: the B/W split (parallel/pipeline/zero_bubble.py) "
+                       "exists for the single-rank block only; use gpipe, 1f1b or interleaved")  # fmt: skip
+        if cfg is not None:
+            bad += self._model_problems(cfg, batch)
+        return bad
+
+    def _model_problems(self, cfg, batch) -> list[str]:
+        bad = []
+        t = self.tp
+        for what, n in (("n_heads", cfg.n_heads), ("vocab_size", cfg.vocab_size),
+                        ("d_ff", cfg.d_ff), ("d_model", cfg.d_model)):  # fmt: skip
+            if n % t:
+                divs = [d for d in range(1, n + 1) if n % d == 0]
+                bad.append(f"tp={t} does not divide {what}={n} (Megatron cuts it into equal "
+                           f"parts); tp could be one of {divs}")  # fmt: skip
+        if cfg.n_layers < self.virtual_stages:
+            bad.append(f"pp*chunks = {self.pp}*{self.chunks} = {self.virtual_stages} virtual "
+                       f"stages but the model has only {cfg.n_layers} blocks; every stage needs "
+                       f"one: pp*chunks <= {cfg.n_layers}")  # fmt: skip
+        if batch is None:
+            return bad
+        B, S = batch if isinstance(batch, tuple) else (batch, None)
+        per = self.dp * self.microbatches
+        if B % per:
+            fits = [m for m in range(1, B + 1) if B % (self.dp * m) == 0]
+            bad.append(f"batch B={B} is not divisible by dp*microbatches = {self.dp}*"
+                       f"{self.microbatches} = {per}; microbatches could be one of {fits}"
+                       if fits else f"batch B={B} is not divisible by dp={self.dp}")  # fmt: skip
+        if S is not None and self.sequence_parallel and S % t:
+            bad.append(f"sequence_parallel: S={S} is not divisible by tp={t}; use a sequence "
+                       f"length that is a multiple of {t}")  # fmt: skip
+        return bad
+
+    def validate(self, world_size=None, cfg=None, batch=None) -> Layout:
+        """Raise ONE ValueError listing every problem (see `problems`); return self."""
+        bad = self.problems(world_size, cfg, batch)
+        if bad:
+            raise ValueError(f"{self} cannot run:\n  - " + "\n  - ".join(bad))
+        return self
+
+    def mesh(self, comm) -> Mesh:
+        """The Mesh dp x pp x cp x tp over comm's ranks; every group is created here, in one
+        order on every rank (group creation is a collective call)."""
+        mesh = Mesh(comm, **{a: getattr(self, a) for a in AXES})
+        for a in AXES:
+            mesh.group(a)
+        return mesh
+
+
+def _fits(layout: Layout, world: int) -> str:
+    """What would fit: the dp that fills the world with the other degrees, else divisors."""
+    rest = layout.pp * layout.cp * layout.tp
+    if world % rest == 0:
+        return f"dp={world // rest} would fit with pp={layout.pp}, cp={layout.cp}, tp={layout.tp}"
+    return f"pp*cp*tp={rest} must divide {world}; e.g. tp, pp from the divisors of {world}"

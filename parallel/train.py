@@ -1,0 +1,165 @@
+"""One training program for every layout: dp x pp x tp (+ SP), ZeRO 0-3 on dp, any schedule.
+
+    run = parallel.train(comm, Layout(dp=2, pp=2, tp=2, zero=3), cfg, batches, steps=3, seed=0)
+
+on every rank; `run` is comparable with emulator.reference.reference_train(cfg, seed, batches,
+steps, microbatches=dp * layout.microbatches) (emulator.check.compare_run). One model driver:
+  - the layer functions are the single-rank pieces or their TP versions, chosen by the rank's
+    LayerContext (parallel/layer.py: tp group + SP flag; cp / ep slots);
+  - the pipeline executor (parallel/pipeline/executor.py) runs the rank's stage's layers through
+    that context, in the schedule's order; no pipeline is one stage (1F1B on p = 1 is simply
+    F0 B0 F1 B1 ..., gradient accumulation);
+  - DP / ZeRO 0-3 act through the executor's per-layer hooks on the rank's local (TP-sharded,
+    stage-local) parameters (parallel/data/axis.py), so ZeRO-2/3 work over TP shards and stages.
+Batch: dp rank d takes rows [d B/D, (d+1) B/D) and cuts them into m micro-batches, so its
+micro-batch j is the reference's micro-batch d m + j; CE is divided by the global token count and
+the MoE aux weighted by the micro-batch's share of the step's routing groups (docs/CONTRACTS.md):
+gradients are summed over micro-batches, dp, and (SP-partial ones) tp.
+Clipping: the global norm's squares are reduced over dp (ZeRO shards), tp (weights 1/t for the
+tensors replicated over tp) and pp, in that order (parallel/clip.py).
+Ledger tags, one prefix per axis: dp/grads*, dp/params*, dp/clip; tp/<layer>/mb<j>/<fwd|bwd>,
+tp/sp-grads/<layer>/mb<j>; pp/act/mb<j>, pp/grad/mb<j>. parallel/nd_cost.py has the formulas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from emulator import scope
+from emulator.data import shard_batch, split_microbatches
+from emulator.guards import check_finite, check_training
+from emulator.model import check_inputs, init_params
+from emulator.precision import compute_dtype
+from parallel.data.axis import DataAxis
+from parallel.layer import LayerContext
+from parallel.pipeline.executor import run_schedule, split_layers, stage_param_names
+from parallel.pipeline.schedules import make_schedule
+from parallel.tensor.block import megatron_plan
+from parallel.tensor.sequence import reduce_partial_grads
+from parallel.tensor.shard import shard, unshard
+from parallel.tensor.train import replica_mismatch
+
+AXIS_TAGS = {"dp": ("dp/grads", "dp/params"), "tp": ("tp/",), "pp": ("pp/",), "clip": ("dp/clip",)}
+
+
+@dataclasses.dataclass
+class NDRun:
+    layout: object
+    coords: dict  # this rank's {axis: index}
+    losses: list  # global loss per step (every rank)
+    grad_norms: list  # global gradient norm per step, before clipping
+    grads: dict  # last step's summed gradient before clipping, full shape (gathered, uncounted)
+    params: dict  # final master parameters, full shape
+    local_params: dict  # this rank's own final master arrays (TP shards of its stage)
+    local_grads: dict  # this rank's own last summed gradient (TP shards of its stage)
+    step_bytes: list  # per step: {"dp", "tp", "pp", "clip": bytes this rank sent}
+    memory: dict  # this rank's MemoryLedger.snapshot() at the end (before the run frees it)
+    split: list  # blocks per virtual stage
+    executed: list  # this stage's actions in the order it ran them (last step)
+    in_flight: int  # peak micro-batch units alive on this stage
+    layouts: list  # the dp flat buffers (DDP buckets, ZeRO buckets or per-layer units)
+    mesh: str  # Mesh.describe()
+    replica_mismatch: list  # "param/grad <name>" of tp-replicated tensors whose copies differ
+
+
+def axis_bytes(ledger, records) -> dict:
+    """Bytes this rank sent in ``records``, by axis (the tag prefixes of AXIS_TAGS); traffic
+    under no axis's tag - none in a correct run - is added as "untagged"."""
+    out, other = dict.fromkeys(AXIS_TAGS, 0), 0
+    for r in records:
+        if r.direction != "send":
+            continue
+        axis = next((a for a, pre in AXIS_TAGS.items() if r.tag.startswith(pre)), None)
+        if axis is None:
+            other += r.nbytes
+        else:
+            out[axis] += r.nbytes
+    return out | ({"untagged": other} if other else {})
+
+
+def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+          weight_decay=0.0, max_norm=None, groups_fn=None, params=None, sizes=None) -> NDRun:  # fmt: skip
+    """Train ``layout`` on comm's ranks (call on every rank). ``layout.dtype`` is the run's
+    dtype (it replaces cfg.dtype). groups_fn(step, microbatch, b, S): MoE routing groups of a
+    global micro-batch, as reference_train's; params: full-shape initial parameters (default
+    init_params(cfg, seed)); sizes: explicit blocks per virtual stage."""
+    check_training("parallel.train", steps=steps, microbatches=layout.microbatches, lr=lr,
+                   betas=betas, eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
+    cfg = dataclasses.replace(cfg, dtype=layout.dtype)
+    get = batches if callable(batches) else batches.__getitem__
+    layout.validate(comm.world_size, cfg, check_inputs(*get(0), cfg)[0].shape)
+    mesh = layout.mesh(comm)
+    dp, pp, tp, m = mesh["dp"], mesh["pp"], mesh["tp"], layout.microbatches
+    D, r, t = dp.size, dp.rank, tp.size
+    sched = make_schedule(layout.schedule, pp.size, m, layout.chunks)
+    split = split_layers(cfg.n_layers, pp.size * sched.v, sizes)
+    names = stage_param_names(cfg, split, pp.rank, pp.size)
+    plan = megatron_plan(cfg)
+    full = init_params(cfg, seed) if params is None else params
+    master = shard({n: full[n] for n in names}, plan, tp.rank, t)  # this rank's copies
+    ctx = LayerContext(tp=tp, sp=layout.sequence_parallel, regather=layout.regather)
+    mem = comm.memory
+    mem.reset_peak()
+    axis = DataAxis(
+        dp, master, layout.zero, cfg, hyper={"lr": lr, "betas": betas, "eps": eps,
+        "weight_decay": weight_decay}, max_norm=max_norm, norm_groups=(tp, pp),
+        norm_weights={n: 1.0 / t for n in names if not plan[n].sharded} if t > 1 else None,
+        bucket_cap_mb=layout.bucket_cap_mb, reshard_after_forward=layout.reshard_after_forward,
+        prefetch=layout.prefetch, partial=_sp_partial(tp) if ctx.sp else None, mem=mem,
+    )  # fmt: skip
+    try:
+        run = NDRun(layout, dict(mesh.coords), [], [], {}, {}, {}, {}, [], {}, split, [], 0,
+                    axis.layouts, mesh.describe(), [])  # fmt: skip
+        for step in range(steps):
+            comm.ledger.step = step
+            tokens, targets = check_inputs(*get(step), cfg)
+            layout.validate(comm.world_size, cfg, tokens.shape)
+            mine = shard_batch(tokens, targets, r, D)
+            # each micro-batch its own arrays, so a cache is charged for its b S ids only
+            mbs = [(a.copy(), b.copy()) for a, b in split_microbatches(*mine, m)]
+            b, S = mbs[0][0].shape
+            groups = [groups_fn(step, g, b, S) if groups_fn else None for g in range(D * m)]
+            n_groups = [1 if g is None else len(g) for g in groups]
+            axis.begin_step()
+            mark = comm.ledger.mark()
+            _, loss, done, peak = run_schedule(
+                pp, sched, split, None, mbs, cfg, ce_denom=tokens.size,
+                aux_scales=[n_groups[r * m + j] / sum(n_groups) for j in range(m)],
+                groups=groups[r * m : (r + 1) * m], recompute=layout.recompute, mem=mem,
+                ctx=ctx, hooks=axis, dtype=compute_dtype(cfg.dtype),
+            )  # fmt: skip
+            run.grad_norms.append(axis.finish_step())
+            run.step_bytes.append(axis_bytes(comm.ledger, comm.ledger.since(mark)))
+            # the global loss: stage shares summed over pp, then dp (uncounted control plane)
+            share = sum(pp.allgather_object(loss), 0.0)
+            run.losses.append(sum(dp.allgather_object(share), 0.0))
+            # every rank holds the same global loss and norm: all raise at the same step
+            check_finite(step, rank=comm.rank, loss=run.losses[-1], grad_norm=run.grad_norms[-1],
+                         where="parallel.train")  # fmt: skip
+            run.executed, run.in_flight = done, max(run.in_flight, peak)
+        lp, lg = axis.local_state()
+        run.local_params, run.local_grads = lp, lg
+        every = tp.allgather_object((lp, lg))  # uncounted: the check, not the training
+        # every tp rank computes the replicated tensors identically: their copies agree bitwise
+        run.replica_mismatch = replica_mismatch(every, plan) if lg else []
+        stage_p = unshard([e[0] for e in every], plan)
+        stage_g = unshard([e[1] for e in every], plan) if lg else {}
+        for part_p, part_g in pp.allgather_object((stage_p, stage_g)):
+            run.params.update(part_p)
+            run.grads.update(part_g)
+        run.memory = mem.snapshot()
+        return run
+    finally:  # free what this run allocated, even on an error: another run may follow
+        axis.close()
+
+
+def _sp_partial(tp):
+    """Under SP, the replicated LayerNorm / row-bias / position gradients of a layer are partial
+    (each rank saw S/t positions): sum them over tp, one flat all-reduce per layer and
+    micro-batch, before the dp axis takes them (ZeRO-2/3 reduce-scatter them at once)."""
+
+    def partial(layer: str, mb: int, grads: dict) -> dict:
+        with scope(f"tp/sp-grads/{layer}/mb{mb}"):
+            return reduce_partial_grads(tp, grads)
+
+    return partial

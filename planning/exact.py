@@ -1,0 +1,163 @@
+"""The "this model" column: a plan's layout priced exactly for this project's model.
+
+The model is the spec's GPT block (emulator.config) at the preset's shape in "mixed" precision:
+bf16 compute copy, activations and gradients, fp32 master and Adam moments. Per GPU, for the
+worst rank (pipeline stage 0 or the last stage, tensor rank 0):
+  parameters  the stage's names (parallel.pipeline.executor.stage_param_names, layers split as
+              evenly as possible), each at its Megatron tensor-parallel local shape
+              (parallel.tensor.block.megatron_plan, replicated LayerNorms and row biases)
+  state       parallel.data.cost.peak_memory over those local shapes with the layout's flat
+              buffers (DDP / ZeRO-1/2 buckets of 25 MiB, ZeRO-3 one FSDP unit per block plus the
+              root): the padding to a multiple of dp, ZeRO-2's one transient bucket, ZeRO-3's
+              gathered root unit + one block, all as the memory ledger records them; optimizer
+              static (2 fp32 moments per owned element)
+  activations per block emulator.flops.activation_bytes_per_block (tp = 1) or
+              parallel.tensor.cost.block_activation_bytes (tp > 1, sequence parallel); full
+              recompute with tp > 1 keeps the block input sharded on the sequence: 2 B S H / t
+              (priced only: this project's tp code recomputes none or selective).
+              Times L: 1F1B's stage 0 holds min(pp, m) = pp micro-batches of L / pp blocks.
+Why the columns differ from the course's (which prices Psi = the quoted count with Korthikanti's
+34 + 5 a s / h): see WHY.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from emulator.config import n_params, param_shapes
+from emulator.flops import activation_bytes_per_block
+from parallel.data import cost as dpcost
+from parallel.data.flat import fsdp_units, make_buckets
+from parallel.pipeline.executor import split_layers, stage_param_names
+from parallel.tensor.block import megatron_plan
+from parallel.tensor.cost import block_activation_bytes
+from parallel.tensor.shard import local_shape
+
+WHY = (
+    (
+        "params: this model's block has 2 FFN matrices (Llama's SwiGLU has 3), full H x H K and V "
+        "(no GQA), LayerNorm gains and biases, learned positions and an untied head"
+    ),
+    (
+        "activ: this block keeps 16 s b h + 4 s b F bytes (32 s b h at F = 4 h: Korthikanti's 34 "
+        "less the 2 s b h of dropout masks; this model has no dropout) and a 2-byte softmax, 2 a s^2 "
+        "b (his 5 adds the 1-byte mask and the dropout output), plus 8 s b of fp32 LN statistics"
+    ),
+    (
+        "state: flat buffers padded to a multiple of dp; ZeRO-2 holds one full gradient bucket in "
+        "flight, ZeRO-3 the root unit (embeddings + head) and one block gathered"
+    ),
+)
+
+
+def rank_shapes(cfg, tp: int, pp: int, stage: int) -> dict:
+    """{name: local shape} of tensor rank 0 of pipeline stage ``stage``."""
+    plan, shapes = megatron_plan(cfg), param_shapes(cfg)
+    names = stage_param_names(cfg, split_layers(cfg.n_layers, pp), stage, pp)
+    return {n: local_shape(shapes[n], plan[n], tp, n) if tp > 1 else shapes[n] for n in names}
+
+
+def state_bytes(cfg, shapes: dict, dp: int, zero: int, b: int, S: int, **fsdp) -> int:
+    """Peak params + grads and static optimizer bytes of one dp rank over these shapes."""
+    stage = "ddp" if zero == 0 else str(zero)
+    if zero == 3:
+        layouts = fsdp_units(shapes, dp)
+    else:
+        layouts = make_buckets(shapes, dp, 25.0, 2)
+    n = sum(math.prod(s) for s in shapes.values())
+    peak = dpcost.peak_memory(stage, layouts, n, cfg, b, S, **fsdp)  # reshard / prefetch
+    static = dpcost.static_memory(stage, layouts, n, cfg.dtype)
+    return peak["params"] + peak["grads"] + static["optimizer"]
+
+
+def activation_bytes(cfg, b: int, S: int, tp: int, recompute: str, pp: int = 1) -> int:
+    """L blocks' caches; with pp stages under 1F1B (m = pp micro-batches) the worst stage s
+    holds min(pp - s, m) micro-batches of its blocks (uneven splits: 126 layers on 16 stages
+    are 8 x 14 + 7 x 2, so stage 0 holds 16 x 8 = 128 block caches, not 126)."""
+    n = max(len(blk) * (pp - s) for s, blk in enumerate(split_layers(cfg.n_layers, pp)))
+    if tp == 1:
+        return n * activation_bytes_per_block(cfg, b, S, recompute)
+    if recompute == "full":
+        return n * 2 * b * S * cfg.d_model // tp
+    return n * block_activation_bytes(cfg, b, S, tp, sp=True, recompute=recompute)
+
+
+@dataclasses.dataclass(frozen=True)
+class Exact:
+    params: int  # this model's parameter count (all ranks together)
+    state: int  # bytes per GPU, worst stage
+    activ: int
+
+
+def price(preset, row, seq: int, b: int, **fsdp) -> Exact:
+    """``fsdp``: ZeRO-3's reshard_after_forward / prefetch (parallel.data.cost.peak_memory)."""
+    cfg = preset.model_config(seq)
+    states = [state_bytes(cfg, rank_shapes(cfg, row.tp, row.pp, s), row.dp, row.zero, b, seq,
+                          **fsdp) for s in {0, row.pp - 1}]  # fmt: skip
+    return Exact(
+        n_params(cfg), max(states), activation_bytes(cfg, b, seq, row.tp, row.recompute, row.pp)
+    )
+
+
+def dry_figures(preset, row, seq: int, b: int):
+    """(state or None, activations, seconds) measured by dry-running the row's layout: the worst
+    representative rank's peaks. State only where the driver ledgers it (dp-only layouts; the
+    tp / pp drivers' memory ledgers hold activations and dp gradient buckets only)."""
+    import time
+
+    from planning.dryrun import Layout, dry_layout
+
+    m = max(1, row.pp)
+    lay = Layout(dp=row.dp, tp=row.tp, pp=row.pp, zero=row.zero, microbatches=m,
+                 sp=row.tp > 1, recompute=row.recompute)  # fmt: skip
+    try:
+        lay.check()
+    except ValueError:
+        return None
+    t0 = time.perf_counter()
+    runs = dry_layout(preset.model_config(seq), lay, row.dp * b * m, seq).values()
+    peaks = [v["figures"]["memory"]["peak"] for v in runs]
+    state = max(sum(pk[c] for c in ("params", "grads", "optimizer")) for pk in peaks)
+    act = max(pk["activations"] for pk in peaks)
+    return (state if row.tp == row.pp == 1 else None), act, time.perf_counter() - t0
+
+
+def format_table(preset, rows, seq: int, b: int, gpu_gib: float, dry: bool = False) -> str:
+    from planning.memory import GIB
+
+    cfg = preset.model_config(seq)
+    ex = [price(preset, r, seq, b) for r in rows]
+    drys = [dry_figures(preset, r, seq, b) if dry else None for r in rows]
+    head = f"{'strategy':<32}{'state':>9}{'model':>9}{'activ':>9}{'model':>9}{'total':>9}  fits?"
+    if dry:
+        head += f"{'dry st':>9}{'dry act':>9}{'secs':>6}"
+    lines = [
+        (
+            f"this model: the spec's GPT block at {preset.name}'s shape, {ex[0].params / 1e9:.2f}B "
+            f"params (published {preset.params / 1e9:.1f}B), mixed precision, exact"
+        ),
+        "",
+        head,
+        "-" * len(head),
+    ]
+    for r, e, d in zip(rows, ex, drys):
+        total = e.state + e.activ + r.reserve
+        line = (f"{r.name:<32}{r.state / GIB:9.1f}{e.state / GIB:9.1f}{r.activ / GIB:9.1f}"
+                f"{e.activ / GIB:9.1f}{total / GIB:9.1f}  {'YES' if total <= gpu_gib * GIB else 'NO':<5}")  # fmt: skip
+        if dry and d is None:
+            line += f"{'n/a':>9}{'n/a':>9}"
+        elif dry:
+            st = "-" if d[0] is None else f"{d[0] / GIB:.1f}"
+            line += f"{st:>9}{d[1] / GIB:9.1f}{d[2]:6.1f}"
+        lines.append(line.rstrip())
+    lines.append("-" * len(head))
+    lines.append(f"per block: {activation_bytes_per_block(cfg, b, seq) / GIB:.3f} GiB this model "
+                 f"vs {seq * b * cfg.d_model * (34 + 5 * cfg.n_heads * seq / cfg.d_model) / GIB:.3f}"
+                 " GiB Korthikanti (recompute none, tp 1)")  # fmt: skip
+    if dry:
+        lines.append("dry st / dry act: the memory ledger's peaks from running the layout on "
+                     "shape-only arrays (worst representative rank); '-': that driver does not "
+                     "ledger its state")  # fmt: skip
+    lines += [f"why: {w}" for w in WHY]
+    return "\n".join(lines)
