@@ -3,6 +3,7 @@
     python -m emulator run -n 8 examples/06_nd_mesh.py --dp 2 --pp 2 --tp 2 --zero 3 --sequence-parallel
     python -m emulator run -n 8 examples/06_nd_mesh.py --zero 1 --schedule interleaved --chunks 2
     mpiexec -n 8 python examples/06_nd_mesh.py --dp 2 --pp 2 --tp 2 --zero 2 --moe
+    python -m emulator run -n 8 examples/06_nd_mesh.py --svg nd.svg --json nd.json --seed 1
 
 parallel.train runs the Layout on every rank: the pipeline executor drives each stage's layers
 through the rank's LayerContext (single-rank or Megatron TP/SP blocks), and DP / ZeRO act through
@@ -15,6 +16,9 @@ axis's own formula on its share); its static memory by category (and ZeRO-2/3 pe
 formulas, and its peak activation bytes beside the pipeline's in-flight formula with TP/SP
 units (parallel/nd_cost.rank_peak_activations). Prints the Layout, the mesh's groups, both tables and a VERDICT line; exits 1 on any
 mismatch.
+--svg PATH writes the pipeline timeline (the executed per-stage orders replayed under unit costs)
+to PATH and the per-axis communication matrix (bytes each rank sent to each rank, from the
+ledger) to PATH with -comm.svg; --json PATH every rank's ledger totals and memory and the verdict.
 """
 
 from __future__ import annotations
