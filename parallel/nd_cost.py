@@ -12,16 +12,23 @@ each, S the sequence; c the compute itemsize. A rank's share: its stage's parame
         all-reduce per layer of its partial gradients (parallel/tensor/sequence.partial_grad_names)
   pp    parallel/pipeline/cost.boundary_bytes for this stage, message b S_l H c (S_l = S/t with SP)
   clip  one float64 ring all-reduce per group of the norm (dp under ZeRO, tp, pp; size > 1)
+  cp    (context parallelism, C = cp) per micro-batch and block of the stage: parallel/context/
+        cost.attention_bytes of the method on b sequences of S, the rank's H/t width and A/t
+        heads (twice the forward under full recompute). Every other axis sees a cp rank as C
+        times the dp ranks with S/C tokens: its formulas run with D C dp ranks (grads summed
+        over dp x cp), B C sequences of S/C positions (b per micro-batch): the same bytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
 from collectives import cost
 from emulator.config import param_shapes
 from emulator.precision import arith_dtype, compute_dtype, master_dtype
+from parallel.context import cost as cp_cost
 from parallel.data.axis import layer_of, layer_units
 from parallel.data.cost import static_memory
 from parallel.data.cost import step_bytes as dp_step_bytes
@@ -54,7 +61,9 @@ def dp_layouts(cfg, layout, s: int) -> list:
 
 
 def rank_bytes(cfg, layout, B: int, S: int, coords: dict) -> dict:
-    """{"dp", "tp", "pp", "clip": bytes sent per step} for the rank at ``coords``."""
+    """{"dp", "tp", "pp", "clip": bytes sent per step} for the rank at ``coords`` (+ "cp")."""
+    if layout.cp > 1:
+        return _cp_rank_bytes(cfg, layout, B, S, coords)
     s, tr, t, D, m = coords["pp"], coords["tp"], layout.tp, layout.dp, layout.microbatches
     c, b = compute_dtype(cfg.dtype).itemsize, B // (D * m)
     names = list(local_shapes(cfg, layout, s))
@@ -83,6 +92,20 @@ def rank_bytes(cfg, layout, B: int, S: int, coords: dict) -> dict:
     for size, rank in ((D, coords["dp"]) if layout.zero else (1, 0), (t, tr), (layout.pp, s)):
         clip += cost.ring_all_reduce(1, size, 8, rank)[0] if size > 1 else 0
     return {"dp": dp, "tp": tp, "pp": pp, "clip": clip}
+
+
+def _cp_rank_bytes(cfg, layout, B: int, S: int, coords: dict) -> dict:
+    """rank_bytes under cp = C: the other axes as a dp x cp = D C data axis on S/C tokens (its
+    group rank d C + c, Mesh.group("dp", "cp")), plus the attention bytes on the cp axis."""
+    C, t, m = layout.cp, layout.tp, layout.microbatches
+    flat = dataclasses.replace(layout, dp=layout.dp * C, cp=1)
+    out = rank_bytes(cfg, flat, B * C, S // C, dict(coords, dp=coords["dp"] * C + coords["cp"]))
+    x = compute_dtype(cfg.dtype)
+    per = cp_cost.attention_bytes(layout.cp_method, B // (layout.dp * m), S, cfg.d_model // t,
+                                  cfg.n_heads // t, C, x.itemsize, arith_dtype(x).itemsize)  # fmt: skip
+    blocks = {layer_of(n) for n in local_shapes(cfg, layout, coords["pp"]) if n[:7] == "blocks."}
+    fwd = per["forward"] * (2 if layout.recompute == "full" else 1)  # full: forward again
+    return out | {"cp": len(blocks) * m * (fwd + per["backward"])}
 
 
 def rank_static_memory(cfg, layout, s: int) -> dict:
