@@ -22,6 +22,7 @@ import dataclasses
 from emulator.mesh import Mesh
 from parallel.context.attention import METHODS
 from parallel.context.layout import BALANCES
+from parallel.context.layout import check as check_split
 from parallel.pipeline.schedules import SCHEDULES, make_schedule
 from parallel.pipeline.schedules import validate as validate_schedule
 
@@ -130,10 +131,10 @@ class Layout:
                 bad.append(f"tp={t} does not divide {what}={n} (Megatron cuts it into equal "
                            f"parts); tp could be one of {divs}")  # fmt: skip
         if self.cp > 1 and self.cp_method == "ulysses" and (cfg.n_heads // t) % self.cp:
-            bad.append(f"cp_method='ulysses': the {cfg.n_heads // t} heads per tp rank (n_heads="
-                       f"{cfg.n_heads} / tp={t}) are not divisible by cp={self.cp}; every cp rank "
-                       f"takes whole heads: use cp dividing {cfg.n_heads // t}, or 'ring' / "
-                       f"'all-gather'")  # fmt: skip
+            bad.append(f"cp_method='ulysses': n_heads={cfg.n_heads // t} is not divisible by "
+                       f"cp={self.cp} (the heads per tp rank: n_heads={cfg.n_heads} / tp={t}); "
+                       f"every cp rank takes whole heads: use cp dividing {cfg.n_heads // t}, or "
+                       f"'ring' / 'all-gather'")  # fmt: skip
         if cfg.n_layers < self.virtual_stages:
             bad.append(f"pp*chunks = {self.pp}*{self.chunks} = {self.virtual_stages} virtual "
                        f"stages but the model has only {cfg.n_layers} blocks; every stage needs "
@@ -147,13 +148,11 @@ class Layout:
             bad.append(f"batch B={B} is not divisible by dp*microbatches = {self.dp}*"
                        f"{self.microbatches} = {per}; microbatches could be one of {fits}"
                        if fits else f"batch B={B} is not divisible by dp={self.dp}")  # fmt: skip
-        if S is not None and self.cp > 1:
-            parts = 2 * self.cp if self.cp_balance == "zigzag" else self.cp
-            if S % parts:
-                bad.append(f"cp={self.cp}, cp_balance={self.cp_balance!r}: S={S} does not split "
-                           f"into {parts} equal chunks; use S divisible by {parts}"
-                           + (" or cp_balance='contiguous'" if parts > self.cp and S % self.cp == 0
-                              else ""))  # fmt: skip
+        if S is not None and self.cp > 1 and self.cp_balance in BALANCES:
+            try:
+                check_split(S, self.cp, self.cp_balance)  # S into cp (zigzag: 2 cp) chunks
+            except ValueError as e:
+                bad.append(str(e))
         if S is not None and self.sequence_parallel and S % t:
             bad.append(f"sequence_parallel: S={S} is not divisible by tp={t}; use a sequence "
                        f"length that is a multiple of {t}")  # fmt: skip

@@ -62,7 +62,7 @@ class NDRun:
     layouts: list  # the dp flat buffers (DDP buckets, ZeRO buckets or per-layer units)
     mesh: str  # Mesh.describe()
     replica_mismatch: list  # "param/grad <name>" of tp-replicated tensors whose copies differ
-    act_bytes: dict = dataclasses.field(default_factory=dict)  # cp: last step's per-block bytes
+    act_bytes: dict = dataclasses.field(default_factory=dict)  # per block: bytes after forward
     positions: object = None  # cp: the last step's (C, S_local) positions table
 
 
@@ -113,8 +113,7 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
     full = init_params(cfg, seed) if params is None else params
     master = shard({n: full[n] for n in names}, plan, tp.rank, t)  # this rank's copies
     ctx = LayerContext(tp=tp, sp=layout.sequence_parallel, regather=layout.regather,
-                       cp=mesh["cp"], cp_method=layout.cp_method,
-                       act_bytes={} if C > 1 else None)  # fmt: skip
+                       cp=mesh["cp"], cp_method=layout.cp_method, act_bytes={})  # fmt: skip
     mem = comm.memory
     mem.reset_peak()
     axis = DataAxis(
@@ -126,7 +125,7 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
     )  # fmt: skip
     try:
         run = NDRun(layout, dict(mesh.coords), [], [], {}, {}, {}, {}, [], {}, split, [], 0,
-                    axis.layouts, mesh.describe(), [], ctx.act_bytes or {})  # fmt: skip
+                    axis.layouts, mesh.describe(), [], ctx.act_bytes)  # fmt: skip
         for step in range(steps):
             comm.ledger.step = step
             tokens, targets = check_inputs(*get(step), cfg)

@@ -124,14 +124,14 @@ def test_refusals():
     cfg = _cfg(A=2)
     bad = Layout(cp=2, tp=2, dp=2, sequence_parallel=True, cp_method="ulysses")
     msg = "\n".join(bad.problems(8, cfg, (4, 6)))
-    assert "S=6 does not split into 4 equal chunks" in msg and "'contiguous'" in msg
-    assert "the 1 heads per tp rank" in msg and "not divisible by cp=2" in msg
+    assert "S=6 does not split into 4 equal 2 cp chunks" in msg and "'contiguous'" in msg
+    assert "n_heads=1 is not divisible by cp=2 (the heads per tp rank" in msg
     assert "cp > 1 with sequence_parallel" in msg
     assert "cp_method='bogus'" in "".join(Layout(cp=2, cp_method="bogus").problems(2))
     assert "cp_balance='x'" in "".join(Layout(cp=2, cp_balance="x").problems(2))
     assert Layout(cp=2, cp_balance="contiguous").problems(2, cfg, (2, 6)) == []
     batches = lambda s: synthetic_batch(7, s, 2, 6, cfg.vocab_size)
-    with pytest.raises(ValueError, match="S=6 does not split into 4 equal chunks"):
+    with pytest.raises(ValueError, match="S=6 does not split into 4 equal 2 cp chunks"):
         emulator.spawn(lambda c: parallel.train(c, Layout(cp=2), cfg, batches, 1), 2, timeout=30)
     with pytest.raises(ValueError, match="pass groups_fn only to the reference"):
         emulator.spawn(lambda c: parallel.train(c, Layout(cp=2, cp_balance="contiguous"), cfg,
