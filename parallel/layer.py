@@ -20,10 +20,10 @@ of every cp rank's global positions (parallel/context/layout.table, set per step
 ``set_positions``): the embedding takes the position rows of this rank's positions, attention is
 cp_attention on the cp group (under tp on this rank's heads), everything else runs on the local
 tokens unchanged. `ep` (expert-parallel MoE, issue 12) is a slot the Layout refuses above 1 until
-wired. The drop-ins (parallel/context/, parallel/expert/) plug in as ``attention=(forward, backward)`` and
-``moe=(forward, backward)``: passed to the blocks as emulator/block.py's ``attention=`` and
-``moe_fn=`` pairs (emulator's signatures; bind the group and extra arguments with
-functools.partial; parallel/context/ and parallel/expert/ build such pairs).
+wired. The drop-ins (parallel/context/, parallel/expert/) plug in as ``attention=(forward,
+backward)`` and ``moe=(forward, backward)``: passed to the blocks as emulator/block.py's
+``attention=`` and ``moe_fn=`` pairs (emulator's signatures; bind the group and extra arguments
+with functools.partial; parallel/context/ and parallel/expert/ build such pairs).
 """
 
 from __future__ import annotations

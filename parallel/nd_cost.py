@@ -94,15 +94,21 @@ def rank_bytes(cfg, layout, B: int, S: int, coords: dict) -> dict:
     return {"dp": dp, "tp": tp, "pp": pp, "clip": clip}
 
 
+def _as_dp(layout):
+    """Under cp, the layout the data axis sees: DDP / ZeRO run on the dp x cp group."""
+    return dataclasses.replace(layout, dp=layout.dp * layout.cp, cp=1) if layout.cp > 1 else layout
+
+
 def _cp_rank_bytes(cfg, layout, B: int, S: int, coords: dict) -> dict:
     """rank_bytes under cp = C: the other axes as a dp x cp = D C data axis on S/C tokens (its
     group rank d C + c, Mesh.group("dp", "cp")), plus the attention bytes on the cp axis."""
     C, t, m = layout.cp, layout.tp, layout.microbatches
-    flat = dataclasses.replace(layout, dp=layout.dp * C, cp=1)
+    flat = _as_dp(layout)
     out = rank_bytes(cfg, flat, B * C, S // C, dict(coords, dp=coords["dp"] * C + coords["cp"]))
     x = compute_dtype(cfg.dtype)
-    per = cp_cost.attention_bytes(layout.cp_method, B // (layout.dp * m), S, cfg.d_model // t,
-                                  cfg.n_heads // t, C, x.itemsize, arith_dtype(x).itemsize)  # fmt: skip
+    b, H, A = B // (layout.dp * m), cfg.d_model // t, cfg.n_heads // t  # the rank's heads
+    per = cp_cost.attention_bytes(layout.cp_method, b, S, H, A, C, x.itemsize,
+                                  arith_dtype(x).itemsize)  # fmt: skip
     blocks = {layer_of(n) for n in local_shapes(cfg, layout, coords["pp"]) if n[:7] == "blocks."}
     fwd = per["forward"] * (2 if layout.recompute == "full" else 1)  # full: forward again
     return out | {"cp": len(blocks) * m * (fwd + per["backward"])}
@@ -111,7 +117,8 @@ def _cp_rank_bytes(cfg, layout, B: int, S: int, coords: dict) -> dict:
 def rank_static_memory(cfg, layout, s: int) -> dict:
     """Bytes per category of the state that lives for the whole run, rank of stage s:
     parallel/data/cost.static_memory on its local shard (dp = 1 and zero 0: plain AdamW, the
-    gradients unpadded: Psi c)."""
+    gradients unpadded: Psi c). cp > 1: the dp axis is dp x cp (_as_dp)."""
+    layout = _as_dp(layout)
     shapes = local_shapes(cfg, layout, s)
     n = sum(math.prod(x) for x in shapes.values())
     if layout.zero == 0 and layout.dp == 1:
@@ -128,7 +135,8 @@ def rank_peak_memory(cfg, layout, s: int) -> dict:
     the gathered units - with reshard_after_forward one at a time, or with prefetch a layer and
     the next one of the same action (a chunk's layers, forward or backward order); without it
     a unit stays gathered from a forward until the next backward of its layer frees it, so the
-    peak follows the schedule (_replay_no_reshard)."""
+    peak follows the schedule (_replay_no_reshard). cp > 1: the dp axis is dp x cp."""
+    layout = _as_dp(layout)
     static = rank_static_memory(cfg, layout, s)
     peak = {"params": static["params"], "grads": static["grads"]}
     if layout.zero < 2:

@@ -17,8 +17,12 @@ the MoE aux weighted by the micro-batch's share of the step's routing groups (do
 gradients are summed over micro-batches, dp, and (SP-partial ones) tp.
 Clipping: the global norm's squares are reduced over dp (ZeRO shards), tp (weights 1/t for the
 tensors replicated over tp) and pp, in that order (parallel/clip.py).
+Context parallelism (cp > 1): every micro-batch cut to the cp rank's columns (parallel/context/
+layout.py), the layer context given the positions table each step (embed rows, cp attention),
+DP / ZeRO on the dp x cp group, C routing groups per micro-batch (each cp rank's tokens).
 Ledger tags, one prefix per axis: dp/grads*, dp/params*, dp/clip; tp/<layer>/mb<j>/<fwd|bwd>,
-tp/sp-grads/<layer>/mb<j>; pp/act/mb<j>, pp/grad/mb<j>. parallel/nd_cost.py has the formulas.
+tp/sp-grads/<layer>/mb<j>; pp/act/mb<j>, pp/grad/mb<j>; cp: any tag containing cp-attn/.
+parallel/nd_cost.py has the formulas.
 """
 
 from __future__ import annotations

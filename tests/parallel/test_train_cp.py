@@ -33,7 +33,8 @@ STEPS = 2
 def _cfg(experts=0, L=2, A=4):
     # K = E: every choice kept (capacity factor covers all), so routing has no discrete choice
     return ModelConfig(vocab_size=16, max_seq_len=8, d_model=8, n_heads=A, n_layers=L, d_ff=16,
-                       n_experts=experts, moe_top_k=max(experts, 1), capacity_factor=2.0)  # fmt: skip
+                       n_experts=experts, moe_top_k=max(experts, 1),
+                       capacity_factor=2.0)  # fmt: skip
 
 
 def _run(layout, cfg, B, S):
@@ -76,6 +77,15 @@ def check_cp(layout, cfg=None, *, B=4, S=8):
         want = nd_cost.rank_bytes(cfg, layout, B, S, run.coords)
         assert want["cp"] == cp_bytes, (where, want, cp_bytes)
         assert run.step_bytes == [want] * STEPS, (where, run.step_bytes[-1], want)
+        if t == 1:  # the single-rank block's cache with the cp attention's (context/cost.py)
+            act = cost.block_activation_bytes(cfg, layout.cp_method, b, S, C, rank=run.coords["cp"],
+                                              recompute=layout.recompute,
+                                              balance=layout.cp_balance)  # fmt: skip
+            assert set(run.act_bytes.values()) == {act}, (where, run.act_bytes, act)
+        static = nd_cost.rank_static_memory(cfg, layout, run.coords["pp"])  # ZeRO on dp x cp
+        assert {k: run.memory["current"][k] for k in static} == static, where
+        peak = nd_cost.rank_peak_memory(cfg, layout, run.coords["pp"])
+        assert {k: run.memory["peak"][k] for k in peak} == peak, (where, run.memory["peak"], peak)
     return worst
 
 
