@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import emulator
 import parallel
@@ -32,7 +34,7 @@ STEPS = 2
 
 def _cfg(experts=0, L=2, A=4):
     # K = E: every choice kept (capacity factor covers all), so routing has no discrete choice
-    return ModelConfig(vocab_size=16, max_seq_len=8, d_model=8, n_heads=A, n_layers=L, d_ff=16,
+    return ModelConfig(vocab_size=16, max_seq_len=16, d_model=8, n_heads=A, n_layers=L, d_ff=16,
                        n_experts=experts, moe_top_k=max(experts, 1),
                        capacity_factor=2.0)  # fmt: skip
 
@@ -118,6 +120,30 @@ def test_cp_recompute(recompute):
 
 def test_cp_moe_routing_groups_are_cp_ranks_tokens():
     check_cp(Layout(dp=2, cp=2, zero=1, microbatches=2, cp_method="all-gather"), _cfg(4))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    world=st.sampled_from([2, 4, 8]),
+    data=st.data(),
+    method=st.sampled_from(["ring", "all-gather", "ulysses"]),
+    balance=st.sampled_from(["zigzag", "contiguous"]),
+    zero=st.integers(0, 3),
+    recompute=st.sampled_from(["none", "selective"]),
+    moe=st.booleans(),
+)
+def test_cp_layouts_drawn_from_the_space(world, data, method, balance, zero, recompute, moe):
+    """cp x tp x pp x dp drawn over the 2..8-rank space, S over the lengths the balance allows."""
+    cp = data.draw(st.sampled_from([c for c in (2, 4) if world % c == 0]), "cp")
+    tp = data.draw(st.sampled_from([t for t in (1, 2) if (world // cp) % t == 0]), "tp")
+    pp = data.draw(st.sampled_from([p for p in (1, 2) if (world // (cp * tp)) % p == 0]), "pp")
+    dp, m = world // (cp * tp * pp), data.draw(st.integers(1, 2), "m")
+    if method == "ulysses" and (4 // tp) % cp:
+        method = "ring"  # 4 heads: ulysses needs cp | 4 / tp (its refusal: test_refusals)
+    S = (2 * cp if balance == "zigzag" else cp) * data.draw(st.integers(1, 2), "S chunks")
+    layout = Layout(dp=dp, pp=pp, tp=tp, cp=cp, cp_method=method, cp_balance=balance, zero=zero,
+                    microbatches=m, recompute=recompute)  # fmt: skip
+    check_cp(layout, _cfg(2 if moe else 0, L=2 * pp), B=dp * m, S=S)
 
 
 def test_gradients_summed_over_dp_only_fail(monkeypatch):
