@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 from emulator import scope
 from emulator.model import (
@@ -54,7 +55,8 @@ class LayerContext:
     sp: bool = False  # sequence parallelism between the TP regions
     regather: bool = True  # SP: keep S/t slices, all-gather them again in the backward
     cp: object = None  # slot: the context-parallel group (issue 13)
-    ep: object = None  # slot: the expert-parallel group (issue 12)
+    ep: object = None  # the expert-parallel group (issue 12): with moe = parallel/expert/nd.py's
+    # moe_pair, whose forward takes the block's cache name as ``where=`` (its ledger tag)
     tag: str = "tp/"  # ledger scope prefix of the tp traffic ("" keeps tp_train's tags)
     # drop-ins for the two layers other axes cut (None = emulator.ops / emulator.moe): a pair
     # (forward, backward) with emulator's signatures, on this rank's local tensors
@@ -67,8 +69,10 @@ class LayerContext:
             # one rank cuts nothing; parallel.Layout refuses asking for it)
         for k in ("cp", "ep"):
             g = getattr(self, k)
-            if g is not None and g.size > 1:
+            if g is not None and g.size > 1 and not (k == "ep" and self.moe is not None):
                 raise ValueError(f"LayerContext: {k} > 1 is not wired in yet (issues 12/13)")
+        if self.ep is not None and self.ep.size > 1 and self.tp is not None:
+            raise ValueError("LayerContext: ep > 1 with tp > 1 is not wired (parallel/layout.py)")
 
     @property
     def t(self) -> int:
@@ -118,7 +122,10 @@ class LayerContext:
         """x (B, S_l, H) -> (x_out, cache); the MoE aux loss is cache["aux"]."""
         if self.tp is None:
             kw = {"recompute": recompute, "groups": groups, "mem": mem, "name": name}
-            return block_forward(bp, x, cfg, attention=self.attention, moe_fn=self.moe, **kw)
+            moe = self.moe
+            if self.ep is not None and moe is not None:  # ep drop-in: bind the block's name
+                moe = (functools.partial(moe[0], where=name), moe[1])  # (its ledger tag)
+            return block_forward(bp, x, cfg, attention=self.attention, moe_fn=moe, **kw)
         if recompute == "full":
             raise ValueError("tensor parallel blocks support recompute 'none' or 'selective'")
         if self.moe is not None:

@@ -31,6 +31,8 @@ from emulator.guards import check_finite, check_training
 from emulator.model import check_inputs, init_params
 from emulator.precision import compute_dtype
 from parallel.data.axis import DataAxis
+from parallel.expert import nd as nd_ep
+from parallel.expert.nd import ep_mesh
 from parallel.layer import LayerContext
 from parallel.pipeline.executor import run_schedule, split_layers, stage_param_names
 from parallel.pipeline.schedules import make_schedule
@@ -40,6 +42,8 @@ from parallel.tensor.shard import shard, unshard
 from parallel.tensor.train import replica_mismatch
 
 AXIS_TAGS = {"dp": ("dp/grads", "dp/params"), "tp": ("tp/",), "pp": ("pp/",), "clip": ("dp/clip",)}
+# ep > 1 (parallel/expert/nd.py): + the all-to-alls (ep/...) and the experts' DDP (edp/...)
+EP_AXIS_TAGS = {**AXIS_TAGS, "ep": ("ep/",), "edp": ("edp/",)}
 
 
 @dataclasses.dataclass
@@ -60,16 +64,19 @@ class NDRun:
     layouts: list  # the dp flat buffers (DDP buckets, ZeRO buckets or per-layer units)
     mesh: str  # Mesh.describe()
     replica_mismatch: list  # "param/grad <name>" of tp-replicated tensors whose copies differ
+    # ep > 1: per step {(layer, mb): (kept (E,), C)}: this rank's kept copies per expert and slot
+    # total of each MoE block's groups (parallel/expert/nd.py moe_pair; the bytes formula's input)
+    ep_counts: list = dataclasses.field(default_factory=list)
 
 
-def axis_bytes(ledger, records) -> dict:
+def axis_bytes(ledger, records, tags=AXIS_TAGS) -> dict:
     """Bytes this rank sent in ``records``, by axis (the tag prefixes of AXIS_TAGS); traffic
     under no axis's tag - none in a correct run - is added as "untagged"."""
-    out, other = dict.fromkeys(AXIS_TAGS, 0), 0
+    out, other = dict.fromkeys(tags, 0), 0
     for r in records:
         if r.direction != "send":
             continue
-        axis = next((a for a, pre in AXIS_TAGS.items() if r.tag.startswith(pre)), None)
+        axis = next((a for a, pre in tags.items() if r.tag.startswith(pre)), None)
         if axis is None:
             other += r.nbytes
         else:
@@ -100,16 +107,30 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
     ctx = LayerContext(tp=tp, sp=layout.sequence_parallel, regather=layout.regather)
     mem = comm.memory
     mem.reset_peak()
-    axis = DataAxis(
-        dp, master, layout.zero, cfg, hyper={"lr": lr, "betas": betas, "eps": eps,
-        "weight_decay": weight_decay}, max_norm=max_norm, norm_groups=(tp, pp),
-        norm_weights={n: 1.0 / t for n in names if not plan[n].sharded} if t > 1 else None,
-        bucket_cap_mb=layout.bucket_cap_mb, reshard_after_forward=layout.reshard_after_forward,
-        prefetch=layout.prefetch, partial=_sp_partial(tp) if ctx.sp else None, mem=mem,
-    )  # fmt: skip
+    record: dict = {}  # ep > 1: (layer, mb) -> (kept, C) of the current step
+    if layout.ep > 1:  # parallel/expert/nd.py: experts E/ep per rank, two DDPs, one norm
+        emesh = ep_mesh(comm, layout)
+        ep = emesh["ep"]
+        master = nd_ep.shard_experts(master, ep.rank, cfg.n_experts // ep.size)
+        ctx = LayerContext(ep=ep, moe=nd_ep.moe_pair(ep, layout.dispatch, record))
+        axis = nd_ep.EPAxis(dp, emesh["edp"], ep, master, cfg, hyper={"lr": lr, "betas": betas,
+                            "eps": eps, "weight_decay": weight_decay}, max_norm=max_norm,
+                            norm_groups=(tp, pp), bucket_cap_mb=layout.bucket_cap_mb,
+                            mem=mem)  # fmt: skip
+    else:
+        ep = None
+        axis = DataAxis(
+            dp, master, layout.zero, cfg, hyper={"lr": lr, "betas": betas, "eps": eps,
+            "weight_decay": weight_decay}, max_norm=max_norm, norm_groups=(tp, pp),
+            norm_weights={n: 1.0 / t for n in names if not plan[n].sharded} if t > 1 else None,
+            bucket_cap_mb=layout.bucket_cap_mb, reshard_after_forward=layout.reshard_after_forward,
+            prefetch=layout.prefetch, partial=_sp_partial(tp) if ctx.sp else None, mem=mem,
+        )  # fmt: skip
     try:
         run = NDRun(layout, dict(mesh.coords), [], [], {}, {}, {}, {}, [], {}, split, [], 0,
                     axis.layouts, mesh.describe(), [])  # fmt: skip
+        if ep is not None:
+            run.coords.update(ep=emesh.coord("ep"), edp=emesh.coord("edp"))
         for step in range(steps):
             comm.ledger.step = step
             tokens, targets = check_inputs(*get(step), cfg)
@@ -121,6 +142,7 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
             groups = [groups_fn(step, g, b, S) if groups_fn else None for g in range(D * m)]
             n_groups = [1 if g is None else len(g) for g in groups]
             axis.begin_step()
+            record.clear()
             mark = comm.ledger.mark()
             _, loss, done, peak = run_schedule(
                 pp, sched, split, None, mbs, cfg, ce_denom=tokens.size,
@@ -129,7 +151,10 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
                 ctx=ctx, hooks=axis, dtype=compute_dtype(cfg.dtype),
             )  # fmt: skip
             run.grad_norms.append(axis.finish_step())
-            run.step_bytes.append(axis_bytes(comm.ledger, comm.ledger.since(mark)))
+            tags = EP_AXIS_TAGS if ep is not None else AXIS_TAGS
+            run.step_bytes.append(axis_bytes(comm.ledger, comm.ledger.since(mark), tags))
+            if ep is not None:
+                run.ep_counts.append(dict(record))
             # the global loss: stage shares summed over pp, then dp (uncounted control plane)
             share = sum(pp.allgather_object(loss), 0.0)
             run.losses.append(sum(dp.allgather_object(share), 0.0))
@@ -144,6 +169,8 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
         run.replica_mismatch = replica_mismatch(every, plan) if lg else []
         stage_p = unshard([e[0] for e in every], plan)
         stage_g = unshard([e[1] for e in every], plan) if lg else {}
+        if ep is not None:  # the experts back to E along axis 0, ep coordinates in order
+            stage_p, stage_g = nd_ep.unshard_experts(ep, stage_p, stage_g)
         for part_p, part_g in pp.allgather_object((stage_p, stage_g)):
             run.params.update(part_p)
             run.grads.update(part_g)
