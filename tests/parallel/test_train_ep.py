@@ -1,0 +1,168 @@
+"""Expert parallelism inside parallel.train (parallel/expert/nd.py): dp x ep and dp x ep x pp,
+both dispatch modes, K = 1 and 2, a capacity factor that drops, weight decay and clipping.
+Every rank against reference_train on the same global batch and routing groups (float64 1e-12):
+losses, the gathered full-shape gradients and params, and the rank's own local tensors (its
+stage, its E/ep experts). Bytes by axis against closed forms: each MoE layer's all-to-alls per
+micro-batch and phase = parallel/expert/cost.py's formula from the ep group's routing counts,
+dp + edp = DDP's bucket formula on the replicated / expert tensors, the norm's ring all-reduces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import emulator
+import parallel
+from collectives import cost as ccost
+from emulator.check import compare, compare_run
+from emulator.data import synthetic_batch
+from emulator.model import ModelConfig
+from emulator.reference import reference_train
+from parallel import Layout
+from parallel.expert import nd as nd_ep
+from parallel.expert.cost import PHASES
+from parallel.expert.sync import is_expert
+
+HYPER = {"weight_decay": 0.1, "betas": (0.8, 0.9), "eps": 1e-7, "lr": 3e-3}
+RTOL = 1e-12
+
+
+def _cfg(E=4, K=2, cf=0.75, L=2):
+    return ModelConfig(vocab_size=16, max_seq_len=8, d_model=8, n_heads=2, n_layers=L,
+                       n_experts=E, moe_top_k=K, capacity_factor=cf)  # fmt: skip
+
+
+def _run(layout, cfg, B, S, steps):
+    """-> (runs, reference, per rank {(step, tag): sent} of its ep/ and edp/ records)."""
+    batches = lambda s: synthetic_batch(11, s, B, S, cfg.vocab_size)
+    ref = reference_train(cfg, 0, batches, steps, microbatches=layout.dp * layout.microbatches,
+                          max_norm=0.3, **HYPER)  # fmt: skip
+
+    def main(comm):
+        mark = comm.ledger.mark()
+        run = parallel.train(comm, layout, cfg, batches, steps, max_norm=0.3, **HYPER)
+        sent: dict = {}
+        for r in comm.ledger.since(mark):
+            if r.direction == "send" and r.tag.startswith("ep/"):
+                sent[(r.step, r.tag)] = sent.get((r.step, r.tag), 0) + r.nbytes
+        return run, sent
+
+    out = emulator.spawn(main, layout.world, timeout=180)
+    return [o[0] for o in out], ref, [o[1] for o in out]
+
+
+def check_ep(layout, cfg, *, B=8, S=4, steps=2):
+    runs, ref, sent = _run(layout, cfg, B, S, steps)
+    P, El, itemsize = layout.ep, cfg.n_experts // layout.ep, 8
+    dropped = 0
+    for run, tags in zip(runs, sent):
+        where = f"rank at {run.coords}"
+        assert not compare_run(run, ref, RTOL)[1], (where, compare_run(run, ref, RTOL)[1][:4])
+        e = run.coords["ep"]
+        want = nd_ep.shard_experts({n: ref.params[n] for n in run.local_params}, e, El)
+        assert not compare(run.local_params, want, RTOL, "param")[1], where
+        want = nd_ep.shard_experts({n: ref.grads[n] for n in run.local_grads}, e, El)
+        assert not compare(run.local_grads, want, RTOL, "grad")[1], where
+        # the ep group: same edp, pp coordinates, in ep order
+        group = sorted((q for q in runs if all(q.coords[a] == run.coords[a] for a in
+                        ("edp", "pp", "cp", "tp"))), key=lambda q: q.coords["ep"])  # fmt: skip
+        assert [q.coords["ep"] for q in group] == list(range(P))
+        for step in range(steps):
+            keys = run.ep_counts[step]
+            assert keys, where  # every stage has MoE blocks
+            total = 0
+            for layer, mb in keys:
+                kept = np.stack([q.ep_counts[step][(layer, mb)][0] for q in group])
+                C = run.ep_counts[step][(layer, mb)][1]
+                N = B // (layout.dp * layout.microbatches) * S  # tokens of the micro-batch
+                dropped += cfg.moe_top_k * N - int(kept[e].sum())
+                f = nd_ep.ep_layer_bytes(layout.dispatch, kept, C, cfg.d_model, itemsize, e)
+                for ph in PHASES:  # the ledger per layer, micro-batch and phase
+                    fwd, name = ph.split("/")
+                    got = tags.get((step, f"ep/{layer}/mb{mb}/{fwd}/{name}"), 0)
+                    assert got == f[ph][0], (where, step, layer, mb, ph, got, f[ph])
+                    total += got
+            assert run.step_bytes[step]["ep"] == total
+            shapes = {n: a.shape for n, a in run.local_params.items()}
+            assert run.step_bytes[step]["dp"] + run.step_bytes[step]["edp"] == nd_ep.dp_bytes(
+                cfg, layout, shapes
+            ), where
+            clip = sum(ccost.ring_all_reduce(1, n, 8, c)[0] for n, c in
+                       ((P, e), (layout.pp, run.coords["pp"])) if n > 1)  # fmt: skip
+            assert run.step_bytes[step]["clip"] == clip, where
+            assert run.step_bytes[step]["tp"] == 0 and "untagged" not in run.step_bytes[step]
+        assert run.losses == runs[0].losses
+    return runs, dropped
+
+
+@pytest.mark.parametrize("dispatch", ["exact", "padded"])
+@pytest.mark.parametrize("K", [1, 2])
+@pytest.mark.parametrize("dp,ep", [(4, 2), (4, 4)])
+def test_dp_x_ep(dp, ep, K, dispatch):
+    layout = Layout(dp=dp, ep=ep, microbatches=2, dispatch=dispatch)
+    _, dropped = check_ep(layout, _cfg(E=4, K=K, cf=0.75), B=8, S=4)
+    assert dropped > 0  # the capacity factor drops tokens: the check covers dropping
+
+
+@pytest.mark.parametrize("dispatch", ["exact", "padded"])
+def test_dp_x_ep_x_pp(dispatch):
+    """ep inside pipeline stages: each stage's MoE blocks over the ep group of that stage."""
+    layout = Layout(dp=4, ep=2, pp=2, microbatches=2, schedule="1f1b", dispatch=dispatch)
+    check_ep(layout, _cfg(E=4, K=2, cf=0.75, L=4), B=8, S=4)
+
+
+def test_dp_x_ep_x_pp_interleaved_selective_e_equals_ep():
+    layout = Layout(dp=2, ep=2, pp=2, chunks=2, microbatches=2, schedule="interleaved",
+                    recompute="selective")  # fmt: skip
+    check_ep(layout, _cfg(E=2, K=1, cf=1.0, L=4), B=8, S=4)
+
+
+def test_planted_bug_expert_grads_not_summed_over_edp_fails(monkeypatch):
+    """Drop the experts' DDP over edp (dp 4 > ep 2): each edp replica keeps its own expert
+    gradient, so the gathered gradients and params disagree with the reference."""
+    init = nd_ep.EPAxis.__init__
+
+    def planted(self, *a, **kw):
+        init(self, *a, **kw)
+        self.eddp = None
+
+    monkeypatch.setattr(nd_ep.EPAxis, "__init__", planted)
+    cfg = _cfg()
+    runs, ref, _ = _run(Layout(dp=4, ep=2, microbatches=2), cfg, 8, 4, 2)
+    problems = compare_run(runs[0], ref, RTOL)[1]
+    assert any(is_expert(p.split()[1].rstrip(":")) for p in problems if p.startswith("grad")), (
+        problems[:4]
+    )
+
+
+def test_planted_bug_replicated_norm_counted_ep_times_fails(monkeypatch):
+    init = nd_ep.EPAxis.__init__
+
+    def planted(self, *a, **kw):
+        init(self, *a, **kw)
+        self.weights = {n: 1.0 for n in self.weights}
+
+    monkeypatch.setattr(nd_ep.EPAxis, "__init__", planted)
+    runs, ref, _ = _run(Layout(dp=2, ep=2), _cfg(), 4, 4, 1)
+    assert not np.isclose(runs[0].grad_norms[0], ref.grad_norms[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kw,cfg,fragment",
+    [
+        ({"dp": 4, "ep": 3}, _cfg(E=6), "ep=3 must divide dp=4"),
+        ({"dp": 4, "ep": 4}, _cfg(E=6), "ep=4 does not divide n_experts=6"),
+        ({"dp": 4, "ep": 2, "zero": 1}, _cfg(), "zero=1 with ep > 1"),
+        ({"dp": 2, "ep": 2, "tp": 2}, _cfg(), "ep > 1 with tp > 1"),
+        ({"dp": 4, "ep": 2}, dataclasses.replace(_cfg(E=0, K=1), n_experts=0), "needs an MoE model"),
+        ({"dp": 4, "ep": 2, "dispatch": "dense"}, _cfg(), "dispatch='dense'"),
+    ],
+)  # fmt: skip
+def test_ep_refusals_say_why(kw, cfg, fragment):
+    layout = Layout(**kw)
+    with pytest.raises(ValueError, match="cannot run") as e:
+        layout.validate(layout.world, cfg, (8, 4))
+    assert fragment in str(e.value), str(e.value)
