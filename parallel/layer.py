@@ -71,8 +71,6 @@ class LayerContext:
             g = getattr(self, k)
             if g is not None and g.size > 1 and not (k == "ep" and self.moe is not None):
                 raise ValueError(f"LayerContext: {k} > 1 is not wired in yet (issues 12/13)")
-        if self.ep is not None and self.ep.size > 1 and self.tp is not None:
-            raise ValueError("LayerContext: ep > 1 with tp > 1 is not wired (parallel/layout.py)")
 
     @property
     def t(self) -> int:
@@ -128,11 +126,13 @@ class LayerContext:
             return block_forward(bp, x, cfg, attention=self.attention, moe_fn=moe, **kw)
         if recompute == "full":
             raise ValueError("tensor parallel blocks support recompute 'none' or 'selective'")
-        if self.moe is not None:
-            raise ValueError("an MoE drop-in (expert parallelism) under tp > 1 is not wired yet")
+        if self.moe is not None and self.ep is None:
+            raise ValueError("an MoE drop-in under tp > 1 needs its ep group (expert parallelism)")
+        moe = None if self.moe is None else (functools.partial(self.moe[0], where=name),
+                                             self.moe[1])  # fmt: skip
         return tp_block_forward(self.tp, bp, x, cfg, sp=self.sp, regather=self.regather,
                                 keep_probs=recompute == "none", groups=groups, mem=mem,
-                                name=name, attention=self.attention)  # fmt: skip
+                                name=name, attention=self.attention, moe=moe)  # fmt: skip
 
     def block_backward(self, dx, cache, daux):
         """-> (dx_in (B, S_l, H), {local name: grad} in bp's order)."""

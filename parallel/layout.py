@@ -130,9 +130,6 @@ class Layout:
             bad.append(f"zero={self.zero} with ep > 1: the expert tensors are summed over the "
                        f"edp group, not dp, so ZeRO would need a second sharded optimizer over "
                        f"edp sharing one clipping norm; not wired: use zero=0 (DDP)")  # fmt: skip
-        if self.tp > 1:
-            bad.append("ep > 1 with tp > 1: the tensor-parallel block's MoE drop-in is not wired "
-                       "(experts would be replicated over tp); use tp=1")  # fmt: skip
         if self.schedule == "zb-h1":
             bad.append("ep > 1 with zb-h1: the B/W split (parallel/pipeline/zero_bubble.py) uses "
                        "the single-rank MoE block; use gpipe, 1f1b or interleaved")  # fmt: skip

@@ -102,6 +102,8 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
     split = split_layers(cfg.n_layers, pp.size * sched.v, sizes)
     names = stage_param_names(cfg, split, pp.rank, pp.size)
     plan = megatron_plan(cfg)
+    if layout.ep > 1:  # experts over ep, replicated over tp (parallel/expert/nd.py)
+        plan = nd_ep.expert_plan(plan)
     full = init_params(cfg, seed) if params is None else params
     master = shard({n: full[n] for n in names}, plan, tp.rank, t)  # this rank's copies
     ctx = LayerContext(tp=tp, sp=layout.sequence_parallel, regather=layout.regather)
@@ -112,11 +114,13 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
         emesh = ep_mesh(comm, layout)
         ep = emesh["ep"]
         master = nd_ep.shard_experts(master, ep.rank, cfg.n_experts // ep.size)
-        ctx = LayerContext(ep=ep, moe=nd_ep.moe_pair(ep, layout.dispatch, record))
+        ctx = LayerContext(tp=tp, sp=layout.sequence_parallel, regather=layout.regather, ep=ep,
+                           moe=nd_ep.moe_pair(ep, layout.dispatch, record))  # fmt: skip
         axis = nd_ep.EPAxis(dp, emesh["edp"], ep, master, cfg, hyper={"lr": lr, "betas": betas,
                             "eps": eps, "weight_decay": weight_decay}, max_norm=max_norm,
-                            norm_groups=(tp, pp), bucket_cap_mb=layout.bucket_cap_mb,
-                            mem=mem)  # fmt: skip
+                            norm_groups=(tp, pp), t=t, bucket_cap_mb=layout.bucket_cap_mb,
+                            tp_replicated=[n for n in names if not plan[n].sharded],
+                            partial=_sp_partial(tp) if ctx.sp else None, mem=mem)  # fmt: skip
     else:
         ep = None
         axis = DataAxis(

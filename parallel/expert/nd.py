@@ -22,6 +22,7 @@ phases as parallel/expert/cost.py (counts, dispatch, combine), whatever scope is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import numpy as np
 
@@ -31,6 +32,7 @@ from emulator.model import to_compute
 from emulator.optim import AdamW
 from emulator.precision import compute_dtype
 from emulator.rank import current_state
+from parallel import nd_cost
 from parallel.clip import global_grad_norm, scale_
 from parallel.data.common import backward_order
 from parallel.data.cost import step_bytes as dp_step_bytes
@@ -40,6 +42,8 @@ from parallel.expert import cost as ep_cost
 from parallel.expert.layer import ep_moe_backward, ep_moe_forward
 from parallel.expert.sync import is_expert
 from parallel.pipeline.executor import Accumulate
+from parallel.tensor import cost as tp_cost
+from parallel.tensor.shard import REPLICATE
 
 
 def ep_mesh(comm, layout) -> Mesh:
@@ -50,6 +54,12 @@ def ep_mesh(comm, layout) -> Mesh:
     mesh.group("ep")
     mesh.group("edp")
     return mesh
+
+
+def expert_plan(plan: dict) -> dict:
+    """megatron_plan with the expert tensors replicated over tp (they are cut over ep instead:
+    Megatron-core's expert-tensor-parallel size 1); everything else as before."""
+    return {n: (REPLICATE if is_expert(n) else p) for n, p in plan.items()}
 
 
 def shard_experts(params: dict, e: int, El: int) -> dict:
@@ -116,9 +126,11 @@ class EPAxis(Accumulate):
     DDP over edp, one global norm (ep, tp, pp), AdamW on the local tensors (elementwise)."""
 
     def __init__(self, dp, edp, ep, master, cfg, *, hyper, max_norm=None, norm_groups=(),
-                 tp_replicated=(), t=1, bucket_cap_mb=25.0, mem=None):  # fmt: skip
+                 tp_replicated=(), t=1, bucket_cap_mb=25.0, partial=None,
+                 mem=None):  # fmt: skip
         super().__init__(None)
         self.master, self.cfg, self.max_norm, self.mem = master, cfg, max_norm, mem
+        self.partial, self.mb = partial, 0  # SP: the tp-partial gradients summed per layer
         self.groups = (ep, *norm_groups)
         P = ep.size
         self.weights = {n: (1.0 if is_expert(n) else 1.0 / P) / (t if n in tp_replicated else 1)
@@ -172,6 +184,14 @@ class EPAxis(Accumulate):
         self.opt.step(self.master, step)
         return norm
 
+    def start(self, kind: str, mb: int, layers: list) -> None:
+        self.mb = mb
+
+    def post_backward(self, layer: str, grads: dict) -> None:
+        if self.partial is not None:  # as DataAxis: SP's partial replicated grads over tp first
+            grads = self.partial(layer, self.mb, grads)
+        super().post_backward(layer, grads)
+
     def result(self) -> None:
         return None
 
@@ -206,3 +226,21 @@ def dp_bytes(cfg, layout, shapes: dict) -> int:
             lays = make_buckets({n: shapes[n] for n in names}, D, layout.bucket_cap_mb, c)
             total += sum(dp_step_bytes("ddp", lays, cfg.dtype, layout.microbatches).values())
     return total
+
+
+def tp_bytes(cfg, layout, B: int, S: int, coords: dict) -> int:
+    """Bytes this rank sends per step on tp: parallel/nd_cost.rank_bytes's tp formula, with each
+    MoE block's share replaced. Its experts are replicated over tp and run on the full m, so the
+    block keeps the attention's f / g (2 all-reduces of (b, S, H); SP: AG + RS both ways) and
+    only the entry of m: none without SP, an all-gather forward and of dy backward with it. So
+    per block and micro-batch, against nd_cost's 4 ar + gates: (2 - sp) ar + gates fewer."""
+    t, m, sp = layout.tp, layout.microbatches, layout.sequence_parallel
+    if t == 1:
+        return 0
+    b = B // (layout.dp * m)
+    generic = nd_cost.rank_bytes(cfg, dataclasses.replace(layout, ep=1), B, S, coords)["tp"]
+    rows = tp_cost.layer_rows(cfg, b, S, t, sp=sp, regather=layout.regather, rank=coords["tp"])
+    ar = tp_cost.hidden_all_reduce_bytes(cfg, b, S, t)
+    n_blocks = len({n.split(".")[1] for n in nd_cost.local_shapes(cfg, layout, coords["pp"])
+                    if n.startswith("blocks.")})  # fmt: skip
+    return generic - m * n_blocks * ((2 - sp) * ar + rows["gates"])

@@ -25,6 +25,8 @@ from parallel import Layout
 from parallel.expert import nd as nd_ep
 from parallel.expert.cost import PHASES
 from parallel.expert.sync import is_expert
+from parallel.tensor.block import megatron_plan
+from parallel.tensor.shard import shard
 
 HYPER = {"weight_decay": 0.1, "betas": (0.8, 0.9), "eps": 1e-7, "lr": 3e-3}
 RTOL = 1e-12
@@ -57,15 +59,16 @@ def _run(layout, cfg, B, S, steps):
 def check_ep(layout, cfg, *, B=8, S=4, steps=2):
     runs, ref, sent = _run(layout, cfg, B, S, steps)
     P, El, itemsize = layout.ep, cfg.n_experts // layout.ep, 8
-    dropped = 0
+    dropped, plan = 0, nd_ep.expert_plan(megatron_plan(cfg))
     for run, tags in zip(runs, sent):
         where = f"rank at {run.coords}"
         assert not compare_run(run, ref, RTOL)[1], (where, compare_run(run, ref, RTOL)[1][:4])
-        e = run.coords["ep"]
-        want = nd_ep.shard_experts({n: ref.params[n] for n in run.local_params}, e, El)
-        assert not compare(run.local_params, want, RTOL, "param")[1], where
-        want = nd_ep.shard_experts({n: ref.grads[n] for n in run.local_grads}, e, El)
-        assert not compare(run.local_grads, want, RTOL, "grad")[1], where
+        e, t, tr = run.coords["ep"], layout.tp, run.coords["tp"]
+        for mine, full, kind in ((run.local_params, ref.params, "param"),
+                                 (run.local_grads, ref.grads, "grad")):  # fmt: skip
+            want = shard(nd_ep.shard_experts({n: full[n] for n in mine}, e, El), plan, tr, t)
+            assert not compare(mine, want, RTOL, kind)[1], where
+        assert run.replica_mismatch == [], (where, run.replica_mismatch)
         # the ep group: same edp, pp coordinates, in ep order
         group = sorted((q for q in runs if all(q.coords[a] == run.coords[a] for a in
                         ("edp", "pp", "cp", "tp"))), key=lambda q: q.coords["ep"])  # fmt: skip
@@ -90,10 +93,12 @@ def check_ep(layout, cfg, *, B=8, S=4, steps=2):
             assert run.step_bytes[step]["dp"] + run.step_bytes[step]["edp"] == nd_ep.dp_bytes(
                 cfg, layout, shapes
             ), where
-            clip = sum(ccost.ring_all_reduce(1, n, 8, c)[0] for n, c in
-                       ((P, e), (layout.pp, run.coords["pp"])) if n > 1)  # fmt: skip
+            clip = sum(ccost.ring_all_reduce(1, n, 8, c)[0] for n, c in ((P, e),
+                       (layout.tp, run.coords["tp"]), (layout.pp, run.coords["pp"])) if n > 1)  # fmt: skip
             assert run.step_bytes[step]["clip"] == clip, where
-            assert run.step_bytes[step]["tp"] == 0 and "untagged" not in run.step_bytes[step]
+            tp = nd_ep.tp_bytes(cfg, layout, B, S, run.coords)
+            assert run.step_bytes[step]["tp"] == tp, (where, run.step_bytes[step], tp)
+            assert "untagged" not in run.step_bytes[step]
         assert run.losses == runs[0].losses
     return runs, dropped
 
@@ -112,6 +117,20 @@ def test_dp_x_ep_x_pp(dispatch):
     """ep inside pipeline stages: each stage's MoE blocks over the ep group of that stage."""
     layout = Layout(dp=4, ep=2, pp=2, microbatches=2, schedule="1f1b", dispatch=dispatch)
     check_ep(layout, _cfg(E=4, K=2, cf=0.75, L=4), B=8, S=4)
+
+
+@pytest.mark.parametrize("dispatch", ["exact", "padded"])
+@pytest.mark.parametrize("sp", [False, True])
+def test_dp_x_ep_x_tp(sp, dispatch):
+    """Non-expert layers tensor-parallel (Megatron, SP on/off), experts cut over ep and
+    replicated over tp: each tp rank runs its ep group's all-to-alls on the full m."""
+    layout = Layout(dp=2, ep=2, tp=2, microbatches=2, sequence_parallel=sp, dispatch=dispatch)
+    check_ep(layout, _cfg(E=4, K=2, cf=0.75), B=8, S=4)
+
+
+def test_dp_x_ep_x_tp_x_pp_on_8_ranks():
+    layout = Layout(dp=2, ep=2, tp=2, pp=2, microbatches=2, sequence_parallel=True)
+    check_ep(layout, _cfg(E=2, K=1, cf=0.75, L=4), B=8, S=4)
 
 
 def test_dp_x_ep_x_pp_interleaved_selective_e_equals_ep():
@@ -156,7 +175,7 @@ def test_planted_bug_replicated_norm_counted_ep_times_fails(monkeypatch):
         ({"dp": 4, "ep": 3}, _cfg(E=6), "ep=3 must divide dp=4"),
         ({"dp": 4, "ep": 4}, _cfg(E=6), "ep=4 does not divide n_experts=6"),
         ({"dp": 4, "ep": 2, "zero": 1}, _cfg(), "zero=1 with ep > 1"),
-        ({"dp": 2, "ep": 2, "tp": 2}, _cfg(), "ep > 1 with tp > 1"),
+        ({"dp": 2, "ep": 2, "schedule": "zb-h1"}, _cfg(), "ep > 1 with zb-h1"),
         ({"dp": 4, "ep": 2}, dataclasses.replace(_cfg(E=0, K=1), n_experts=0), "needs an MoE model"),
         ({"dp": 4, "ep": 2, "dispatch": "dense"}, _cfg(), "dispatch='dense'"),
     ],
