@@ -37,15 +37,16 @@ def _cfg(E=4, K=2, cf=0.75, L=2):
                        n_experts=E, moe_top_k=K, capacity_factor=cf)  # fmt: skip
 
 
-def _run(layout, cfg, B, S, steps):
+def _run(layout, cfg, B, S, steps, groups_fn=None):
     """-> (runs, reference, per rank {(step, tag): sent} of its ep/ and edp/ records)."""
     batches = lambda s: synthetic_batch(11, s, B, S, cfg.vocab_size)
     ref = reference_train(cfg, 0, batches, steps, microbatches=layout.dp * layout.microbatches,
-                          max_norm=0.3, **HYPER)  # fmt: skip
+                          max_norm=0.3, groups_fn=groups_fn, **HYPER)  # fmt: skip
 
     def main(comm):
         mark = comm.ledger.mark()
-        run = parallel.train(comm, layout, cfg, batches, steps, max_norm=0.3, **HYPER)
+        run = parallel.train(comm, layout, cfg, batches, steps, max_norm=0.3,
+                             groups_fn=groups_fn, **HYPER)  # fmt: skip
         sent: dict = {}
         for r in comm.ledger.since(mark):
             if r.direction == "send" and r.tag.startswith("ep/"):
@@ -56,8 +57,10 @@ def _run(layout, cfg, B, S, steps):
     return [o[0] for o in out], ref, [o[1] for o in out]
 
 
-def check_ep(layout, cfg, *, B=8, S=4, steps=2):
-    runs, ref, sent = _run(layout, cfg, B, S, steps)
+def check_ep(layout, cfg, *, B=8, S=4, steps=2, groups_fn=None, rerun=False):
+    """rerun: recompute="full" reruns each block's forward, all-to-alls included, in the
+    backward, so the three fwd phases move twice the formula's bytes."""
+    runs, ref, sent = _run(layout, cfg, B, S, steps, groups_fn)
     P, El, itemsize = layout.ep, cfg.n_experts // layout.ep, 8
     dropped, plan = 0, nd_ep.expert_plan(megatron_plan(cfg))
     for run, tags in zip(runs, sent):
@@ -86,7 +89,15 @@ def check_ep(layout, cfg, *, B=8, S=4, steps=2):
                 for ph in PHASES:  # the ledger per layer, micro-batch and phase
                     fwd, name = ph.split("/")
                     got = tags.get((step, f"ep/{layer}/mb{mb}/{fwd}/{name}"), 0)
-                    assert got == f[ph][0], (where, step, layer, mb, ph, got, f[ph])
+                    assert got == f[ph][0] * (2 if rerun and fwd == "fwd" else 1), (
+                        where,
+                        step,
+                        layer,
+                        mb,
+                        ph,
+                        got,
+                        f[ph],
+                    )
                     total += got
             assert run.step_bytes[step]["ep"] == total
             shapes = {n: a.shape for n, a in run.local_params.items()}
@@ -137,6 +148,18 @@ def test_dp_x_ep_x_pp_interleaved_selective_e_equals_ep():
     layout = Layout(dp=2, ep=2, pp=2, chunks=2, microbatches=2, schedule="interleaved",
                     recompute="selective")  # fmt: skip
     check_ep(layout, _cfg(E=2, K=1, cf=1.0, L=4), B=8, S=4)
+
+
+def test_two_routing_groups_per_microbatch_and_full_recompute():
+    """groups_fn: each micro-batch routed as two groups (capacity per group), handed to the
+    reference the same way; recompute="full" reruns the all-to-alls in the backward."""
+
+    def groups_fn(step, g, b, S):
+        n = b * S
+        return [np.arange(n // 2), np.arange(n // 2, n)]
+
+    layout = Layout(dp=4, ep=2, microbatches=2, recompute="full")
+    check_ep(layout, _cfg(E=4, K=2, cf=0.75), groups_fn=groups_fn, rerun=True)
 
 
 def test_planted_bug_expert_grads_not_summed_over_edp_fails(monkeypatch):
