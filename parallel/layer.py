@@ -15,8 +15,9 @@ named f / g (enter / leave) at the call sites, the vocab-parallel embedding and 
 Every collective of a layer runs under the scope "tp/<layer>/mb<j>/<fwd|bwd>" (tp_train keeps
 its historical "<layer>/mb<j>/<fwd|bwd>", tag="").
 
-Slots for the layers still to come: `cp` (context-parallel attention, issue 13) and `ep`
-(expert-parallel MoE, issue 12) are groups the Layout refuses above 1 until wired. Their drop-ins
+Slots for the layers other axes cut: `cp` (context-parallel attention, issue 13: refused
+above 1 until wired) and `ep` (expert-parallel MoE, issue 12: with parallel/expert/nd.py's
+moe_pair, on the single-rank and the TP block). Their drop-ins
 (parallel/context/, parallel/expert/) plug in as ``attention=(forward, backward)`` and
 ``moe=(forward, backward)``: passed to the blocks as emulator/block.py's ``attention=`` and
 ``moe_fn=`` pairs (emulator's signatures; bind the group and extra arguments with

@@ -19,6 +19,9 @@ Clipping: the global norm's squares are reduced over dp (ZeRO shards), tp (weigh
 tensors replicated over tp) and pp, in that order (parallel/clip.py).
 Ledger tags, one prefix per axis: dp/grads*, dp/params*, dp/clip; tp/<layer>/mb<j>/<fwd|bwd>,
 tp/sp-grads/<layer>/mb<j>; pp/act/mb<j>, pp/grad/mb<j>. parallel/nd_cost.py has the formulas.
+ep > 1 (parallel/expert/nd.py): experts E/ep per rank over the ep group drawn from dp, hooks
+EPAxis (replicated grads DDP over dp, expert grads over edp: edp/dp/grads*), all-to-alls under
+ep/<layer>/mb<j>/<fwd|bwd>/<phase>; formulas nd.ep_layer_bytes, dp_bytes, tp_bytes.
 """
 
 from __future__ import annotations
