@@ -13,6 +13,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import emulator
 import parallel
@@ -160,6 +162,22 @@ def test_two_routing_groups_per_microbatch_and_full_recompute():
 
     layout = Layout(dp=4, ep=2, microbatches=2, recompute="full")
     check_ep(layout, _cfg(E=4, K=2, cf=0.75), groups_fn=groups_fn, rerun=True)
+
+
+@settings(max_examples=8, deadline=None)
+@given(ep=st.sampled_from([2, 4]), edp=st.sampled_from([1, 2]), pp=st.sampled_from([1, 2]),
+       tp=st.sampled_from([1, 2]), per=st.sampled_from([1, 2]), K=st.integers(1, 3),
+       cf=st.sampled_from([0.0, 0.5, 1.0, 2.0]), m=st.sampled_from([1, 2]),
+       b=st.sampled_from([1, 2]), sp=st.booleans(),
+       dispatch=st.sampled_from(["exact", "padded"]))  # fmt: skip
+def test_property_layouts_with_ep(ep, edp, pp, tp, per, K, cf, m, b, sp, dispatch):
+    """Drawn: ep, edp, pp, tp with world <= 8, E = ep or 2 ep, K <= E, cf 0 (everything dropped)
+    .. 2, micro-batches, SP: every rank vs the reference and every byte formula."""
+    assume(ep * edp * pp * tp <= 8)
+    E = per * ep
+    layout = Layout(dp=ep * edp, ep=ep, pp=pp, tp=tp, microbatches=m, dispatch=dispatch,
+                    sequence_parallel=sp and tp > 1)  # fmt: skip
+    check_ep(layout, _cfg(E=E, K=min(K, E), cf=cf, L=2 * pp), B=ep * edp * m * b, S=4, steps=1)
 
 
 def test_planted_bug_expert_grads_not_summed_over_edp_fails(monkeypatch):
