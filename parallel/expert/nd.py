@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from emulator import scope
 from emulator.mesh import Mesh
 from emulator.model import to_compute
 from emulator.optim import AdamW
-from emulator.precision import compute_dtype
+from emulator.precision import compute_dtype, master_dtype
 from emulator.rank import current_state
 from parallel import nd_cost
 from parallel.clip import global_grad_norm, scale_
@@ -244,3 +245,22 @@ def tp_bytes(cfg, layout, B: int, S: int, coords: dict) -> int:
     n_blocks = len({n.split(".")[1] for n in nd_cost.local_shapes(cfg, layout, coords["pp"])
                     if n.startswith("blocks.")})  # fmt: skip
     return generic - m * n_blocks * ((2 - sp) * ar + rows["gates"])
+
+
+def static_memory(cfg, layout, shapes: dict) -> dict:
+    """Bytes per category of EPAxis's state for local ``shapes``: the master params (+ the
+    compute copy in mixed), AdamW's two moments, and the gradients in the DDP buckets - the
+    replicated tensors' padded to D, the experts' to D / P (their local buffer, unpadded, when
+    edp = 1): parallel/data/cost.static_memory's DDP row with two bucket sets."""
+    c, mi = compute_dtype(cfg.dtype).itemsize, master_dtype(cfg.dtype).itemsize
+    n = sum(math.prod(s) for s in shapes.values())
+    grads = 0
+    for names, D in (([k for k in shapes if not is_expert(k)], layout.dp),
+                     ([k for k in shapes if is_expert(k)], layout.dp // layout.ep)):  # fmt: skip
+        lays = make_buckets({k: shapes[k] for k in names}, D, layout.bucket_cap_mb, c)
+        grads += sum(lay.padded for lay in lays) * c
+    return {
+        "params": n * (mi + c * (cfg.dtype == "mixed")),
+        "grads": grads,
+        "optimizer": 2 * n * mi,
+    }

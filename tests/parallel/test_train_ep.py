@@ -113,6 +113,9 @@ def check_ep(layout, cfg, *, B=8, S=4, steps=2, groups_fn=None, rerun=False):
             assert run.step_bytes[step]["tp"] == tp, (where, run.step_bytes[step], tp)
             assert "untagged" not in run.step_bytes[step]
         assert run.losses == runs[0].losses
+        shapes = {n: a.shape for n, a in run.local_params.items()}
+        static = nd_ep.static_memory(cfg, layout, shapes)
+        assert {k: run.memory["current"][k] for k in static} == static, (where, run.memory)
     return runs, dropped
 
 
