@@ -19,8 +19,8 @@ Context parallelism (issue 13): ``cp`` is the cp group and ``positions`` the (C,
 of every cp rank's global positions (parallel/context/layout.table, set per step by
 ``set_positions``): the embedding takes the position rows of this rank's positions, attention is
 cp_attention on the cp group (under tp on this rank's heads), everything else runs on the local
-tokens unchanged. `ep` (expert-parallel MoE, issue 12) is a slot the Layout refuses above 1 until
-wired. The drop-ins (parallel/context/, parallel/expert/) plug in as ``attention=(forward,
+tokens unchanged. `ep` (expert-parallel MoE, issue 12): with parallel/expert/nd.py's moe_pair, on the
+single-rank and the TP block. The drop-ins (parallel/context/, parallel/expert/) plug in as ``attention=(forward,
 backward)`` and ``moe=(forward, backward)``: passed to the blocks as emulator/block.py's
 ``attention=`` and ``moe_fn=`` pairs (emulator's signatures; bind the group and extra arguments
 with functools.partial; parallel/context/ and parallel/expert/ build such pairs).
@@ -59,7 +59,8 @@ class LayerContext:
     sp: bool = False  # sequence parallelism between the TP regions
     regather: bool = True  # SP: keep S/t slices, all-gather them again in the backward
     cp: object = None  # the context-parallel group (issue 13) or None
-    ep: object = None  # slot: the expert-parallel group (issue 12)
+    ep: object = None  # the expert-parallel group (issue 12): with moe = parallel/expert/nd.py's
+    # moe_pair, whose forward takes the block's cache name as ``where=`` (its ledger tag)
     tag: str = "tp/"  # ledger scope prefix of the tp traffic ("" keeps tp_train's tags)
     # drop-ins for the two layers other axes cut (None = emulator.ops / emulator.moe): a pair
     # (forward, backward) with emulator's signatures, on this rank's local tensors
@@ -75,8 +76,9 @@ class LayerContext:
             # one rank cuts nothing; parallel.Layout refuses asking for it)
         if self.cp is not None and self.cp.size == 1:
             self.cp = None  # one cp rank holds the whole sequence: emulator's attention
-        if self.ep is not None and self.ep.size > 1:
-            raise ValueError("LayerContext: ep > 1 is not wired in yet (issue 12)")
+        if self.ep is not None and self.ep.size > 1 and self.moe is None:
+            raise ValueError("LayerContext: ep > 1 needs its MoE drop-in (parallel/expert/nd.py "
+                             "moe_pair)")  # fmt: skip
 
     def set_positions(self, table) -> None:
         """cp: this step's (C, S_local) positions table; attention becomes cp_attention on the
@@ -148,14 +150,19 @@ class LayerContext:
     def _block_forward(self, bp, x, cfg, recompute, groups, mem, name):
         if self.tp is None:
             kw = {"recompute": recompute, "groups": groups, "mem": mem, "name": name}
-            return block_forward(bp, x, cfg, attention=self.attention, moe_fn=self.moe, **kw)
+            moe = self.moe
+            if self.ep is not None and moe is not None:  # ep drop-in: bind the block's name
+                moe = (functools.partial(moe[0], where=name), moe[1])  # (its ledger tag)
+            return block_forward(bp, x, cfg, attention=self.attention, moe_fn=moe, **kw)
         if recompute == "full":
             raise ValueError("tensor parallel blocks support recompute 'none' or 'selective'")
-        if self.moe is not None:
-            raise ValueError("an MoE drop-in (expert parallelism) under tp > 1 is not wired yet")
+        if self.moe is not None and self.ep is None:
+            raise ValueError("an MoE drop-in under tp > 1 needs its ep group (expert parallelism)")
+        moe = None if self.moe is None else (functools.partial(self.moe[0], where=name),
+                                             self.moe[1])  # fmt: skip
         return tp_block_forward(self.tp, bp, x, cfg, sp=self.sp, regather=self.regather,
                                 keep_probs=recompute == "none", groups=groups, mem=mem,
-                                name=name, attention=self.attention)  # fmt: skip
+                                name=name, attention=self.attention, moe=moe)  # fmt: skip
 
     def block_backward(self, dx, cache, daux):
         """-> (dx_in (B, S_l, H), {local name: grad} in bp's order)."""

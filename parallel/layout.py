@@ -12,7 +12,8 @@ Llama 3 Herd of Models", section 3.3.2): the axis with the most traffic per step
 all-reduces of the hidden state per block) gets the fastest links, DP (one reduction per step,
 overlapped) the slowest. `cp` (issue 13, context parallelism): every sequence split over the cp
 ranks (`cp_balance` contiguous or zigzag), attention by `cp_method` (ring, all-gather, ulysses;
-parallel/context/). `ep` (issue 12, expert parallelism) is a slot: refused above 1 until wired.
+parallel/context/). `ep` (issue 12, expert
+parallelism): ep > 1 splits dp into edp x ep, ep inner (parallel/expert/nd.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Layout:
     cp_method: str = "ring"  # cp attention: "ring" | "all-gather" | "ulysses"
     cp_balance: str = "zigzag"  # cp sequence split: "zigzag" | "contiguous"
     ep: int = 1  # expert parallelism: issue 12
+    dispatch: str = "exact"  # ep > 1: "exact" (all-to-all-v of kept rows) or "padded" (to C)
     zero: int = 0  # on the dp axis: 0 = DDP (replicated optimizer), 1/2/3 = ZeRO stage
     sequence_parallel: bool = False
     schedule: str = "1f1b"
@@ -85,9 +87,9 @@ class Layout:
                        f"but the world has {world_size} ranks; {_fits(self, world_size)}")  # fmt: skip
         bad += self._cp_problems()
         if self.ep > 1:
-            bad.append(f"ep={self.ep}: expert parallelism is not wired into parallel.train yet "
-                       f"(issue 12); use ep=1 (MoE experts replicated or split over tp like the "
-                       f"MLP), or parallel/expert/train.py's ep_train for ep x dp")  # fmt: skip
+            bad += self._ep_problems()
+        if self.dispatch not in ("exact", "padded"):
+            bad.append(f"dispatch={self.dispatch!r}: choose 'exact' or 'padded'")
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             bad.append(f"zero={self.zero!r}: choose 0 (DDP), 1, 2 or 3")
         if self.dtype not in DTYPES:
@@ -121,8 +123,35 @@ class Layout:
             bad += self._model_problems(cfg, batch)
         return bad
 
+    def _ep_problems(self) -> list[str]:
+        """ep > 1 (parallel/expert/nd.py): the ep group is drawn from the dp ranks; DDP only."""
+        bad = []
+        if self.cp > 1:
+            bad.append(f"ep={self.ep} with cp={self.cp}: the expert all-to-alls and the cp "
+                       f"attention are not composed yet (which tokens form a routing group, and "
+                       f"the dp x cp gradient group of the experts); use cp=1 or ep=1")  # fmt: skip
+        if self.dp % self.ep:
+            bad.append(f"ep={self.ep} must divide dp={self.dp}: the ep group is drawn from the "
+                       f"data-parallel ranks (Megatron-core, DeepSpeed-MoE); ep could be one of "
+                       f"{[d for d in range(1, self.dp + 1) if self.dp % d == 0]}")  # fmt: skip
+        if self.zero:
+            bad.append(f"zero={self.zero} with ep > 1: the expert tensors are summed over the "
+                       f"edp group, not dp, so ZeRO would need a second sharded optimizer over "
+                       f"edp sharing one clipping norm; not wired: use zero=0 (DDP)")  # fmt: skip
+        if self.schedule == "zb-h1":
+            bad.append("ep > 1 with zb-h1: the B/W split (parallel/pipeline/zero_bubble.py) uses "
+                       "the single-rank MoE block; use gpipe, 1f1b or interleaved")  # fmt: skip
+        return bad
+
     def _model_problems(self, cfg, batch) -> list[str]:
         bad = []
+        if self.ep > 1 and not cfg.is_moe:
+            bad.append(f"ep={self.ep} needs an MoE model (n_experts > 0): a dense model has no "
+                       f"experts to split")  # fmt: skip
+        elif self.ep > 1 and cfg.n_experts % self.ep:
+            divs = [d for d in range(1, cfg.n_experts + 1) if cfg.n_experts % d == 0]
+            bad.append(f"ep={self.ep} does not divide n_experts={cfg.n_experts} (each rank holds "
+                       f"E/ep whole experts); ep could be one of {divs}")  # fmt: skip
         t = self.tp
         for what, n in (("n_heads", cfg.n_heads), ("vocab_size", cfg.vocab_size),
                         ("d_ff", cfg.d_ff), ("d_model", cfg.d_model)):  # fmt: skip

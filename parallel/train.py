@@ -23,6 +23,9 @@ DP / ZeRO on the dp x cp group, C routing groups per micro-batch (each cp rank's
 Ledger tags, one prefix per axis: dp/grads*, dp/params*, dp/clip; tp/<layer>/mb<j>/<fwd|bwd>,
 tp/sp-grads/<layer>/mb<j>; pp/act/mb<j>, pp/grad/mb<j>; cp: any tag containing cp-attn/.
 parallel/nd_cost.py has the formulas.
+ep > 1 (parallel/expert/nd.py): experts E/ep per rank over the ep group drawn from dp, hooks
+EPAxis (replicated grads DDP over dp, expert grads over edp: edp/dp/grads*), all-to-alls under
+ep/<layer>/mb<j>/<fwd|bwd>/<phase>; formulas nd.ep_layer_bytes, dp_bytes, tp_bytes.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from emulator.model import check_inputs, init_params
 from emulator.precision import compute_dtype
 from parallel.context.layout import table
 from parallel.data.axis import DataAxis
+from parallel.expert import nd as nd_ep
+from parallel.expert.nd import ep_mesh
 from parallel.layer import LayerContext
 from parallel.pipeline.executor import run_schedule, split_layers, stage_param_names
 from parallel.pipeline.schedules import make_schedule
@@ -46,6 +51,8 @@ from parallel.tensor.train import replica_mismatch
 
 AXIS_TAGS = {"dp": ("dp/grads", "dp/params"), "tp": ("tp/",), "pp": ("pp/",), "clip": ("dp/clip",)}
 CP_TAG = "cp-attn/"  # cp attention traffic, tagged inside the layer's scope (tp/... under tp)
+# ep > 1 (parallel/expert/nd.py): + the all-to-alls (ep/...) and the experts' DDP (edp/...)
+EP_AXIS_TAGS = {**AXIS_TAGS, "ep": ("ep/",), "edp": ("edp/",)}
 
 
 @dataclasses.dataclass
@@ -68,19 +75,22 @@ class NDRun:
     replica_mismatch: list  # "param/grad <name>" of tp-replicated tensors whose copies differ
     act_bytes: dict = dataclasses.field(default_factory=dict)  # per block: bytes after forward
     positions: object = None  # cp: the last step's (C, S_local) positions table
+    # ep > 1: per step {(layer, mb): (kept (E,), C)}: this rank's kept copies per expert and slot
+    # total of each MoE block's groups (parallel/expert/nd.py moe_pair; the bytes formula's input)
+    ep_counts: list = dataclasses.field(default_factory=list)
 
 
-def axis_bytes(ledger, records) -> dict:
+def axis_bytes(ledger, records, tags=AXIS_TAGS) -> dict:
     """Bytes this rank sent in ``records``, by axis (the tag prefixes of AXIS_TAGS); traffic
     under no axis's tag - none in a correct run - is added as "untagged"."""
-    out, other = dict.fromkeys(AXIS_TAGS, 0), 0
+    out, other = dict.fromkeys(tags, 0), 0
     cp = any(CP_TAG in r.tag for r in records)
     out |= {"cp": 0} if cp else {}
     for r in records:
         if r.direction != "send":
             continue
         axis = "cp" if cp and CP_TAG in r.tag else None
-        axis = axis or next((a for a, pre in AXIS_TAGS.items() if r.tag.startswith(pre)), None)
+        axis = axis or next((a for a, pre in tags.items() if r.tag.startswith(pre)), None)
         if axis is None:
             other += r.nbytes
         else:
@@ -114,22 +124,40 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
     split = split_layers(cfg.n_layers, pp.size * sched.v, sizes)
     names = stage_param_names(cfg, split, pp.rank, pp.size)
     plan = megatron_plan(cfg)
+    if layout.ep > 1:  # experts over ep, replicated over tp (parallel/expert/nd.py)
+        plan = nd_ep.expert_plan(plan)
     full = init_params(cfg, seed) if params is None else params
     master = shard({n: full[n] for n in names}, plan, tp.rank, t)  # this rank's copies
     ctx = LayerContext(tp=tp, sp=layout.sequence_parallel, regather=layout.regather,
                        cp=mesh["cp"], cp_method=layout.cp_method, act_bytes={})  # fmt: skip
     mem = comm.memory
     mem.reset_peak()
-    axis = DataAxis(
-        data, master, layout.zero, cfg, hyper={"lr": lr, "betas": betas, "eps": eps,
-        "weight_decay": weight_decay}, max_norm=max_norm, norm_groups=(tp, pp),
-        norm_weights={n: 1.0 / t for n in names if not plan[n].sharded} if t > 1 else None,
-        bucket_cap_mb=layout.bucket_cap_mb, reshard_after_forward=layout.reshard_after_forward,
-        prefetch=layout.prefetch, partial=_sp_partial(tp) if ctx.sp else None, mem=mem,
-    )  # fmt: skip
+    record: dict = {}  # ep > 1: (layer, mb) -> (kept, C) of the current step
+    if layout.ep > 1:  # parallel/expert/nd.py: experts E/ep per rank, two DDPs, one norm
+        emesh = ep_mesh(comm, layout)
+        ep = emesh["ep"]
+        master = nd_ep.shard_experts(master, ep.rank, cfg.n_experts // ep.size)
+        ctx = LayerContext(tp=tp, sp=layout.sequence_parallel, regather=layout.regather, ep=ep,
+                           moe=nd_ep.moe_pair(ep, layout.dispatch, record), act_bytes={})  # fmt: skip
+        axis = nd_ep.EPAxis(dp, emesh["edp"], ep, master, cfg, hyper={"lr": lr, "betas": betas,
+                            "eps": eps, "weight_decay": weight_decay}, max_norm=max_norm,
+                            norm_groups=(tp, pp), t=t, bucket_cap_mb=layout.bucket_cap_mb,
+                            tp_replicated=[n for n in names if not plan[n].sharded],
+                            partial=_sp_partial(tp) if ctx.sp else None, mem=mem)  # fmt: skip
+    else:
+        ep = None
+        axis = DataAxis(
+            data, master, layout.zero, cfg, hyper={"lr": lr, "betas": betas, "eps": eps,
+            "weight_decay": weight_decay}, max_norm=max_norm, norm_groups=(tp, pp),
+            norm_weights={n: 1.0 / t for n in names if not plan[n].sharded} if t > 1 else None,
+            bucket_cap_mb=layout.bucket_cap_mb, reshard_after_forward=layout.reshard_after_forward,
+            prefetch=layout.prefetch, partial=_sp_partial(tp) if ctx.sp else None, mem=mem,
+        )  # fmt: skip
     try:
         run = NDRun(layout, dict(mesh.coords), [], [], {}, {}, {}, {}, [], {}, split, [], 0,
                     axis.layouts, mesh.describe(), [], ctx.act_bytes)  # fmt: skip
+        if ep is not None:
+            run.coords.update(ep=emesh.coord("ep"), edp=emesh.coord("edp"))
         for step in range(steps):
             comm.ledger.step = step
             tokens, targets = check_inputs(*get(step), cfg)
@@ -143,6 +171,7 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
             if C > 1:  # this cp rank's columns: C routing groups per micro-batch, one of them here
                 mbs = _cp_columns(ctx, run, mbs, S, C, layout.cp_balance)
             axis.begin_step()
+            record.clear()
             mark = comm.ledger.mark()
             _, loss, done, peak = run_schedule(
                 pp, sched, split, None, mbs, cfg, ce_denom=tokens.size,
@@ -151,7 +180,10 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
                 ctx=ctx, hooks=axis, dtype=compute_dtype(cfg.dtype),
             )  # fmt: skip
             run.grad_norms.append(axis.finish_step())
-            run.step_bytes.append(axis_bytes(comm.ledger, comm.ledger.since(mark)))
+            tags = EP_AXIS_TAGS if ep is not None else AXIS_TAGS
+            run.step_bytes.append(axis_bytes(comm.ledger, comm.ledger.since(mark), tags))
+            if ep is not None:
+                run.ep_counts.append(dict(record))
             # the global loss: stage shares summed over pp, then dp (uncounted control plane)
             share = sum(pp.allgather_object(loss), 0.0)
             run.losses.append(sum(data.allgather_object(share), 0.0))  # dp (x cp)
@@ -166,6 +198,8 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
         run.replica_mismatch = replica_mismatch(every, plan) if lg else []
         stage_p = unshard([e[0] for e in every], plan)
         stage_g = unshard([e[1] for e in every], plan) if lg else {}
+        if ep is not None:  # the experts back to E along axis 0, ep coordinates in order
+            stage_p, stage_g = nd_ep.unshard_experts(ep, stage_p, stage_g)
         for part_p, part_g in pp.allgather_object((stage_p, stage_g)):
             run.params.update(part_p)
             run.grads.update(part_g)

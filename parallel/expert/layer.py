@@ -70,8 +70,11 @@ def local_experts(mp, rank: int, P: int) -> dict:
     return {n: (a.copy() if n == "router" else a[sl].copy()) for n, a in mp.items()}
 
 
-def ep_moe_forward(ep, mp_local, m, groups, *, top_k, capacity_factor, dispatch="exact"):
-    """m (B, S, H) this rank's tokens -> (y (B, S, H), aux, cache); ``ep`` the ep group's Comm."""
+def ep_moe_forward(ep, mp_local, m, groups, *, top_k, capacity_factor, dispatch="exact",
+                   prefix="ep/"):  # fmt: skip
+    """m (B, S, H) this rank's tokens -> (y (B, S, H), aux, cache); ``ep`` the ep group's Comm.
+    ``prefix``: of the phase scopes "<prefix>fwd" / "<prefix>bwd" (parallel/expert/nd.py opens
+    "ep/<layer>/mb<j>" itself and passes "")."""
     if dispatch not in dx.MODES:
         raise ValueError(f"dispatch={dispatch!r} must be one of {dx.MODES}")
     B, S, H = m.shape
@@ -85,7 +88,7 @@ def ep_moe_forward(ep, mp_local, m, groups, *, top_k, capacity_factor, dispatch=
     send_rows = [int(n[:, d * El : (d + 1) * El].sum()) for d in range(P)]
     sends = dx.pack(bufs, n, P)
     w = [mp_local[k] for k in EXPERT_NAMES]
-    with scope("ep/fwd"):
+    with scope(f"{prefix}fwd"):
         if dispatch == "exact":
             counts = dx.announce(ep, dx.expert_counts(n), sends)  # (P, El)
         else:  # every source sends sum_g C_g per expert (all_to_all checks the ranks agree)
@@ -110,7 +113,7 @@ def ep_moe_forward(ep, mp_local, m, groups, *, top_k, capacity_factor, dispatch=
     cache = {
         "ep": ep, "mode": dispatch, "groups": groups, "routes": routes, "outb": outb, "n": n,
         "counts": counts, "send_rows": send_rows, "recv_rows": recv_rows, "ecaches": ecaches,
-        "shape": m.shape, "dtype": m.dtype, "mp": mp_local,
+        "shape": m.shape, "dtype": m.dtype, "mp": mp_local, "prefix": prefix,
     }  # fmt: skip
     return y.reshape(B, S, H), aux, cache
 
@@ -125,7 +128,7 @@ def ep_moe_backward(dy, cache, daux):
         combine_backward(dflat[i], o, r) for i, r, o in zip(c["groups"], c["routes"], c["outb"])
     ]
     grads = {k: [] for k in EXPERT_NAMES}
-    with scope("ep/bwd"):
+    with scope(f"{c.get('prefix', 'ep/')}bwd"):
         sends = dx.pack([p[0] for p in pairs], n, P)
         recv = dx.exchange(ep, sends, c["send_rows"], c["recv_rows"], mode, "combine")
         dxs = []

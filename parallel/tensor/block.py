@@ -113,7 +113,7 @@ def bias_grad(dy, dtype):
 
 # ---- the block --------------------------------------------------------------------------------
 def tp_block_forward(tp, bp, x, cfg, *, sp=False, regather=True, keep_probs=True, groups=None,
-                     mem=None, name="block", attention=None):  # fmt: skip
+                     mem=None, name="block", attention=None, moe=None):  # fmt: skip
     """bp: this rank's shards with local names; x (B, S_l, H) -> (x_out (B, S_l, H), cache).
 
     ``attention``: a (forward, backward) pair replacing emulator.ops's attention core on this
@@ -121,6 +121,9 @@ def tp_block_forward(tp, bp, x, cfg, *, sp=False, regather=True, keep_probs=True
     ``regather`` (SP only): keep the S/R slice of each column-parallel input and all-gather it
     again in the backward (Korthikanti et al. 2022, section 4.2.2), instead of keeping the
     gathered (B, S, H) copy. It costs two extra all-gathers per layer, tagged "regather".
+    ``moe``: an expert-parallel (forward, backward) pair (parallel/expert/nd.py) for an MoE
+    block whose experts are replicated over tp: every tp rank runs it on the full (gathered)
+    m, so y and dm come out complete - no g / f^T around it, only the local S_l slice taken.
     """
     c, drop = {"sp": sp}, sp and regather
     a, c["ln1"] = layernorm_forward(x, bp["ln1.gain"], bp["ln1.bias"], cfg.ln_eps)
@@ -134,7 +137,13 @@ def tp_block_forward(tp, bp, x, cfg, *, sp=False, regather=True, keep_probs=True
     x = add(x, add(leave(tp, y, sp), bp["attn.bo"]))  # g
     m, c["ln2"] = layernorm_forward(x, bp["ln2.gain"], bp["ln2.bias"], cfg.ln_eps)
     m_full = enter(tp, m, sp)  # f
-    if cfg.is_moe:
+    c["moe_fn"] = moe
+    if cfg.is_moe and moe is not None:  # experts over ep, replicated over tp: y complete
+        mp = {n[4:]: bp[n] for n in ("moe.router", "moe.w1", "moe.b1", "moe.w2", "moe.b2")}
+        kw = {"top_k": cfg.moe_top_k, "capacity_factor": cfg.capacity_factor}
+        y, aux, c["moe"] = moe[0](mp, m_full, groups, **kw)  # (B, S, H) complete
+        x = add(x, scatter_seq(y, tp.size, tp.rank) if sp else y)  # no communication
+    elif cfg.is_moe:
         y, aux, c["moe"] = tp_moe_forward(tp, bp, m_full, cfg, groups)  # (B, S, H) partial
         x = add(x, leave(tp, y, sp))  # g
     else:
@@ -170,7 +179,11 @@ def tp_block_backward(tp, dx, c, daux=None):
     bp, cfg, sp = c["bp"], c["cfg"], c["sp"]
     daux = cfg.aux_loss_coef if daux is None else daux
     g = {}
-    if cfg.is_moe:
+    if cfg.is_moe and c.get("moe_fn") is not None:  # complete dy in, complete dm out
+        dm, gm = c["moe_fn"][1](leave_backward(tp, dx, sp), c["moe"], daux)
+        g.update({"moe." + n: d for n, d in gm.items()})
+        dm = scatter_seq(dm, tp.size, tp.rank) if sp else dm
+    elif cfg.is_moe:
         dm_exp, dm_router, gm = tp_moe_backward(tp, leave_backward(tp, dx, sp), c["moe"], daux, bp)
         g.update(gm)
         if sp:
