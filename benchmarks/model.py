@@ -140,10 +140,10 @@ def bench_model(argv=None) -> int:
     ap.add_argument("--rounds", type=cli.positive_int, default=7, help="with --against")
     ap.add_argument("--threads", type=cli.positive_int, default=1, help="BLAS, with --against")
     args = ap.parse_args(argv)
+    if args.against and not os.path.isfile(args.against):
+        ap.error(f"argument --against: {args.against!r} is not a file")
     print(blas_info())
     if args.against:
-        if not os.path.isfile(args.against):
-            ap.error(f"argument --against: {args.against!r} is not a file")
         print(f"load average {'/'.join(f'{x:.2f}' for x in os.getloadavg())}")
         for dt in args.dtype:
             m = against(dt, args.batch, args.rounds, args.against, args.threads)
