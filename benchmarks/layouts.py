@@ -17,7 +17,7 @@ Virtual ranks share the cores the reference runs on: the ratio is the emulator's
 Both sides include init_params; the layouts also include starting P threads and gathering the
 full-shape parameters at the end of parallel.train (uncounted, for the checks).
 Sizes: small (H 64, S 32, 4 layers: messages and Python dominate) and compute (H 256, S 64,
-2 layers: the matmuls dominate); global batch 16 on both.
+4 layers: the matmuls dominate); global batch 16 on both.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from tools import args as cli
 
 SIZES = {
     "small": {"d_model": 64, "max_seq_len": 32, "n_layers": 4},
-    "compute": {"d_model": 256, "max_seq_len": 64, "n_layers": 2},
+    "compute": {"d_model": 256, "max_seq_len": 64, "n_layers": 4},
 }
 BATCH = 16
 
