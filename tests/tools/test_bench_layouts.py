@@ -1,7 +1,10 @@
 """`bench layouts` runs its interleaved rounds and its cost profile (a smoke test: no timings
 are asserted; the machine is shared)."""
 
+import pytest
+
 from benchmarks import layout_costs, layouts
+from benchmarks.model import bench_model
 
 
 def test_one_round_prints_the_row_with_its_ratio(capsys):
@@ -17,3 +20,11 @@ def test_costs_categories_cover_the_profile():
     cats, records = layout_costs.profile(case, "small")
     assert records > 0 and cats["model NumPy (ops, block, model, optim)"] > 0
     assert set(cats) <= {c for c, _ in layout_costs.CATEGORIES} | {"other Python"}
+
+
+def test_bench_model_against_a_missing_file_is_one_line_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_model(["--against", "no_such_ops.py"])
+    got = capsys.readouterr()
+    assert exc.value.code == 2 and got.out == ""
+    assert "--against" in got.err and "no_such_ops.py" in got.err

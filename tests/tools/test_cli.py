@@ -69,7 +69,6 @@ CASES = [
     ([*EMU, "bench", "collectives", "--ranks", "0"], ["--ranks", "got 0", ">= 1"]),
     ([*EMU, "bench", "collectives", "--ops", "all_sum"], ["--ops", "all_sum", "all_reduce"]),
     ([*EMU, "bench", "model", "--repeats", "0"], ["--repeats", "got 0", ">= 1"]),
-    ([*EMU, "bench", "model", "--against", "no_such_ops.py"], ["--against", "no_such_ops.py"]),
     ([*EMU, "bench", "layouts", "--rounds", "0"], ["--rounds", "got 0", ">= 1"]),
     ([*EMU, "bench", "layouts", "--only", "nothing"], ["--only", "nothing", "DDP"]),
     ([*PY, EX["01"], "--bogus"], ["unrecognized", "--bogus"]),
