@@ -1,17 +1,30 @@
-"""Benchmark (not a test): one optimizer step of DDP and ZeRO-1/2/3 on P virtual ranks against
-the single-rank reference step on the same global batch, as a ratio printed in the same run.
-Both sides run with the BLAS threads of one virtual rank (emulator/blas.py).
+"""Benchmark (not a test): one optimizer step of every layout on virtual ranks against the
+single-rank reference step on the same global batch, interleaved, as ratios from the same run.
 
-    python -m emulator bench layouts [--ranks 4] [--repeat 3] [--d-model 64] [--layers 4]
+    python -m emulator bench layouts [--size small|compute|both] [--rounds 5] [--only dp2xtp2]
+    python -m emulator bench layouts --costs [--only ddp]   # profile categories + ledger share
 
-Virtual ranks are threads of one process, so the ratio measures the emulator's overhead
-(messages are copied through mailboxes, per-layer hooks, flat-buffer copies), not a speed-up:
-the P ranks share the same cores that run the reference. Both sides include init_params;
-the layouts also include starting the P threads (emulator.spawn).
+Rounds interleave A B A B: each round times the reference step (A) and then the layout (B) and
+keeps the ratio B / A of that round, so a disturbance on this shared machine hits one round's
+pair, not a whole column. Printed: the layout's min / median / max ms, the reference's, and the
+ratio's min / median / max over the rounds, with the load average and the CPU seconds burnt per
+wall second (the layouts' ranks are threads: cores busy < ranks means the GIL or waits).
+BLAS threads: `emulator.spawn` runs the P ranks under blas.limit(blas.per_rank(P)) (cores // P,
+and 1 on a machine with <= 4 cores; DISTEMU_BLAS_THREADS overrides); the reference runs under
+the same limit, so both sides get one virtual rank's BLAS threads.
+Virtual ranks share the cores the reference runs on: the ratio is the emulator's overhead
+(message copies through mailboxes, per-layer hooks, flat buffers, the ledger), not a speed-up.
+Both sides include init_params; the layouts also include starting P threads and gathering the
+full-shape parameters at the end of parallel.train (uncounted, for the checks).
+Sizes: small (H 64, S 32, 4 layers: messages and Python dominate) and compute (H 256, S 64,
+4 layers: the matmuls dominate); global batch 16 on both.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import statistics
 import time
 
 import emulator
@@ -20,63 +33,165 @@ from emulator.data import synthetic_batch
 from emulator.ledger import format_table
 from emulator.model import ModelConfig, n_params
 from emulator.reference import reference_train
-from parallel.data.train import train_data_parallel
 from tools import args as cli
 
-LAYOUTS = [("ddp", {}), ("1", {}), ("2", {}), ("3", {}), ("3", {"prefetch": True}),
-           ("3", {"reshard_after_forward": False})]  # fmt: skip
+SIZES = {
+    "small": {"d_model": 64, "max_seq_len": 32, "n_layers": 4},
+    "compute": {"d_model": 256, "max_seq_len": 64, "n_layers": 4},
+}
+BATCH = 16
 
 
-def _best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+@dataclasses.dataclass(frozen=True)
+class Case:
+    label: str
+    ranks: int
+    ref_microbatches: int  # the reference's micro-batches for the same global batch
+    run: object  # run(comm, cfg, batches) -> the layout's run object (one step)
+    moe: bool = False
+
+
+def _dp(stage, **kw):
+    from parallel.data.train import train_data_parallel
+
+    return lambda c, cfg, b: train_data_parallel(c, cfg, 0, b, 1, stage=stage, **kw)
+
+
+def _nd(**kw):
+    import parallel
+    from parallel.layout import Layout
+
+    lay = Layout(**kw)
+    return lambda c, cfg, b: parallel.train(c, lay, cfg, b, 1, seed=0)
+
+
+def _ep(ep, k=1):
+    from parallel.expert.train import ep_train
+
+    return lambda c, cfg, b: ep_train(c, cfg, 0, b, 1, ep=ep, microbatches=k)
+
+
+def _cp(cp, k=1):
+    from parallel.context.train import cp_train
+
+    return lambda c, cfg, b: cp_train(c, cfg, 0, b, 1, cp=cp, microbatches=k)
+
+
+def cases() -> list[Case]:
+    return [
+        Case("DDP", 4, 4, _dp("ddp")),
+        Case("ZeRO-1", 4, 4, _dp("1")),
+        Case("ZeRO-2", 4, 4, _dp("2")),
+        Case("ZeRO-3", 4, 4, _dp("3")),
+        Case("ZeRO-3 prefetch", 4, 4, _dp("3", prefetch=True)),
+        Case("tp4", 4, 1, _nd(tp=4)),
+        Case("tp4 SP", 4, 1, _nd(tp=4, sequence_parallel=True)),
+        Case("pp4 1f1b m4", 4, 4, _nd(pp=4, microbatches=4)),
+        Case("dp2 x tp2", 4, 2, _nd(dp=2, tp=2)),
+        Case("pp2 x dp2 m2", 4, 4, _nd(dp=2, pp=2, microbatches=2)),
+        Case("dp2 x pp2 x tp2 z1 m2", 8, 4, _nd(dp=2, pp=2, tp=2, zero=1, microbatches=2)),
+        Case("dp2 x pp2 x tp2 z3 m2", 8, 4, _nd(dp=2, pp=2, tp=2, zero=3, microbatches=2)),
+        Case("ep4 (E 4, top-2)", 4, 4, _ep(4), moe=True),
+        Case("dp2 x ep2 (E 4, top-2)", 4, 4, _ep(2), moe=True),
+        Case("cp4 ring zigzag", 4, 1, _cp(4)),
+        Case("dp2 x cp2 ring zigzag", 4, 2, _cp(2)),
+    ]
+
+
+def config(size: str, moe: bool) -> ModelConfig:
+    extra = {"n_experts": 4, "moe_top_k": 2} if moe else {}
+    return ModelConfig(vocab_size=256, n_heads=4, **SIZES[size], **extra)
+
+
+def batches_for(cfg):
+    return lambda step: synthetic_batch(0, step, BATCH, cfg.max_seq_len, cfg.vocab_size)
+
+
+def step_fns(case: Case, size: str, **spawn_kw):
+    """(reference step, layout step): zero-argument callables, one optimizer step each."""
+    cfg = config(size, case.moe)
+    batches = batches_for(cfg)
+
+    def ref():
+        with blas.limit(blas.per_rank(case.ranks)):  # what each of the P ranks gets in spawn
+            reference_train(cfg, 0, batches, 1, microbatches=case.ref_microbatches)
+
+    def lay():
+        emulator.spawn(lambda c: case.run(c, cfg, batches), case.ranks, timeout=600, **spawn_kw)
+
+    return ref, lay
+
+
+def timed(fn) -> tuple[float, float]:
+    """(wall s, CPU s of the whole process: every thread) of one call."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def spread(xs, fmt="{:.1f}", scale=1.0) -> str:
+    xs = [x * scale for x in xs]
+    return "/".join(fmt.format(v) for v in (min(xs), statistics.median(xs), max(xs)))
+
+
+def load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def interleave(ref, lay, rounds: int) -> dict:
+    ref(), lay()  # warm-up: imports, BLAS, allocator
+    out = {"ref": [], "lay": [], "ratio": [], "ref_cpu": [], "lay_cpu": []}
+    for _ in range(rounds):
+        (a, ac), (b, bc) = timed(ref), timed(lay)
+        out["ref"].append(a)
+        out["lay"].append(b)
+        out["ratio"].append(b / a)
+        out["ref_cpu"].append(ac / a)
+        out["lay_cpu"].append(bc / b)
+    return out
+
+
+def bench(sizes, chosen, rounds: int) -> None:
+    for size in sizes:
+        rows = []
+        print(f"\n== size {size}: {SIZES[size]}, V 256, A 4, global batch {BATCH} (float64), "
+              f"Psi {n_params(config(size, False)):,} dense / {n_params(config(size, True)):,} "
+              f"MoE; load average before {load()}")  # fmt: skip
+        for case in chosen:
+            m = interleave(*step_fns(case, size), rounds)
+            rows.append([case.label, case.ranks, blas.per_rank(case.ranks),
+                         spread(m["ref"], scale=1e3), spread(m["lay"], scale=1e3),
+                         spread(m["ratio"], "{:.2f}"), f"{statistics.median(m['lay_cpu']):.2f}",
+                         "yes" if statistics.median(m["ratio"]) <= 1.2 else "no"])  # fmt: skip
+        print(format_table(["layout", "ranks", "BLAS/rank", "reference ms min/med/max",
+                            "layout ms min/med/max", "ratio min/med/max", "cores busy",
+                            "<= 1.2x"], rows))  # fmt: skip
+        print(f"{rounds} interleaved rounds per row (reference, layout); ratio per round; load "
+              f"average after {load()}; pool {blas.threads()} BLAS threads outside spawn")  # fmt: skip
 
 
 def main(argv=None) -> int:
     p = cli.parser(__doc__, prog="python -m emulator bench layouts")
-    p.add_argument("--ranks", type=cli.ranks_flag, default=4)
-    p.add_argument("--repeat", type=cli.positive_int, default=3)
-    p.add_argument("--d-model", type=cli.positive_int, default=64, help="H (4 heads)")
-    p.add_argument("--layers", type=cli.positive_int, default=4)
-    p.add_argument("--batch", type=cli.positive_int, default=16)
-    p.add_argument("--seq", type=cli.positive_int, default=32)
+    p.add_argument("--size", default="both", choices=[*SIZES, "both"])
+    p.add_argument("--rounds", type=cli.positive_int, default=5)
+    p.add_argument("--only", default="", help="comma-separated substrings of layout labels")
+    p.add_argument("--costs", action="store_true",
+                   help="profile categories and the ledger / call-check share instead")  # fmt: skip
     args = p.parse_args(argv)
-    if args.d_model % 4:
-        p.error(f"argument --d-model: {args.d_model} is not a multiple of the 4 heads")
-    if args.batch % args.ranks:
-        p.error(f"argument --batch: {args.batch} is not a multiple of --ranks {args.ranks}")
-    cfg = ModelConfig(vocab_size=256, max_seq_len=args.seq, d_model=args.d_model, n_heads=4,
-                      n_layers=args.layers)  # fmt: skip
-    P = args.ranks
+    wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+    chosen = [c for c in cases() if not wanted or any(w in c.label for w in wanted)]
+    if not chosen:
+        p.error(f"argument --only: {args.only!r} matches no layout; labels: "
+                f"{', '.join(c.label for c in cases())}")  # fmt: skip
+    sizes = list(SIZES) if args.size == "both" else [args.size]
+    if args.costs:
+        from benchmarks.layout_costs import costs
 
-    def batches(step):
-        return synthetic_batch(0, step, args.batch, args.seq, cfg.vocab_size)
-
-    with blas.limit(blas.per_rank(P)):  # what each of the P ranks gets inside spawn
-        ref_t = _best(lambda: reference_train(cfg, 0, batches, 1, microbatches=P), args.repeat)
-    rows = [["reference (1 rank)", "-", f"{ref_t * 1e3:.1f}", "1.00", "0"]]
-    for stage, kw in LAYOUTS:
-        out = {}
-
-        def step(stage=stage, kw=kw, out=out):
-            out["runs"] = emulator.spawn(
-                lambda c: train_data_parallel(c, cfg, 0, batches, 1, stage=stage, **kw), P
-            )
-
-        t = _best(step, args.repeat)
-        sb = out["runs"][0].step_bytes[0]
-        sent = sb["grads"][0] + sb["params"][0]
-        label = f"{'DDP' if stage == 'ddp' else 'ZeRO-' + stage}" + "".join(
-            f" {k}={v}" for k, v in kw.items()
-        )
-        rows.append([label, P, f"{t * 1e3:.1f}", f"{t / ref_t:.2f}", sent])
-    print(f"one optimizer step, global batch {args.batch} x {args.seq} tokens, "
-          f"Psi = {n_params(cfg)} parameters (float64), best of {args.repeat}; BLAS threads per "
-          f"rank {blas.per_rank(P)} (pool {blas.threads()})")  # fmt: skip
-    head = ["layout", "ranks", "ms / step", "x reference", "bytes sent / rank"]
-    print(format_table(head, rows))
+        costs(sizes, chosen, args.rounds)
+    else:
+        bench(sizes, chosen, args.rounds)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -51,8 +51,19 @@ class Ledger:
         unknown = set(match) - set(FIELDS)
         if unknown:
             raise ValueError(f"unknown ledger field(s) {sorted(unknown)}; fields are {FIELDS}")
-        records = self.records if records is None else records
-        return [r for r in records if all(_matches(getattr(r, k), v) for k, v in match.items())]
+        out = self.records if records is None else records
+        # one pass per field with the test chosen once (not per record): the same records in
+        # the same order as _matches on each; ep_train's per-layer byte queries spent 20% of
+        # a small step here (bench layouts --costs)
+        for k, want in match.items():
+            if isinstance(want, (set, frozenset, tuple, list)):
+                out = [r for r in out if getattr(r, k) in want]
+            elif isinstance(want, str) and want.endswith("*"):
+                pre = want[:-1]
+                out = [r for r in out if isinstance(v := getattr(r, k), str) and v.startswith(pre)]
+            else:
+                out = [r for r in out if getattr(r, k) == want]
+        return list(out)
 
     def sent(self, records=None, **match) -> int:
         return sum(r.nbytes for r in self.select(records, direction="send", **match))
