@@ -30,7 +30,6 @@ import time
 
 import emulator
 from emulator.dry import dry_run
-from parallel.train import axis_bytes
 from planning.dryrun import batch, role_figures  # noqa: F401 - role_figures is part of the API
 
 
@@ -46,9 +45,15 @@ def figures(comm, run) -> dict:
     for r in comm.ledger.records:
         key = (r.tag, r.op, r.algorithm, r.direction, r.peer, r.group)
         by[key] = by.get(key, 0) + r.nbytes
-    # axes: bytes sent by axis (parallel.train.axis_bytes over the whole ledger, every step)
-    axes = axis_bytes(comm.ledger, comm.ledger.records)
-    return {"bytes": by, "axes": axes, "memory": comm.memory.snapshot(), "run_memory": run.memory}
+    # axes: bytes sent per axis in the steps (NDRun.step_bytes, summed); setup: bytes sent
+    # before the first step (DDP's initial broadcast of the parameters), the rest of the ledger
+    axes: dict = {}
+    for step in run.step_bytes:
+        for a, n in step.items():
+            axes[a] = axes.get(a, 0) + n
+    total = sum(r.nbytes for r in comm.ledger.records if r.direction == "send")
+    return {"bytes": by, "axes": axes, "setup": total - sum(axes.values()),
+            "memory": comm.memory.snapshot(), "run_memory": run.memory}  # fmt: skip
 
 
 def rank_of(layout, d: int = 0, s: int = 0, c: int = 0, t: int = 0) -> int:
