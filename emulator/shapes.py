@@ -21,6 +21,7 @@ it is active, so code that allocates runs unchanged. Unsupported functions raise
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -29,7 +30,8 @@ import numpy as np
 _ZEROS, _ASARRAY = np.zeros, np.asarray
 
 
-def c_strides(shape, itemsize: int) -> tuple:
+@functools.lru_cache(maxsize=4096)  # shapes repeat: every layer and micro-batch has the same
+def c_strides(shape: tuple, itemsize: int) -> tuple:
     out, acc = [], itemsize
     for n in reversed(shape):
         out.append(acc)
@@ -50,7 +52,8 @@ class ShapeArray(np.ndarray):
             shape = (int(shape),)
         if shape and min(shape) < 0:
             raise ValueError(f"negative dimensions are not allowed: {shape}")
-        dtype = np.dtype(dtype)
+        if not isinstance(dtype, np.dtype):
+            dtype = np.dtype(dtype)
         buf = bytearray(max(dtype.itemsize, 1))  # not an ndarray: this array is the owner
         # _ls stays None (C order; __array_finalize__ set it): the strides a fresh array has
         return np.ndarray.__new__(cls, shape, dtype, buffer=buf, strides=(0,) * len(shape))

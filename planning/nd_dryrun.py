@@ -92,19 +92,31 @@ class Timing:
     cpu: float  # seconds of this process's CPU time (wall - cpu: waiting for a core)
 
 
-def dry_nd(cfg, layout, B: int, S: int, ranks=None) -> dict:
-    """{rank: {"figures", "role", "time": Timing}} for every representative (or ``ranks``)."""
+def dry_nd(cfg, layout, B: int, S: int, ranks=None, workers: int = 1) -> dict:
+    """{rank: {"figures", "role", "time": Timing}} for every representative (or ``ranks``).
+    ``workers`` > 1 runs the ranks in that many forked processes (they are independent: each
+    DryComm is alone); each rank's Timing is measured in the process that ran it."""
     layout.validate(layout.world, cfg, (B, S))
     reps = representatives(layout)
     if ranks is not None:
         reps = {r: reps.get(r, f"rank {r} (stands for itself)") for r in ranks}
-    out = {}
-    for r, role in reps.items():
-        t0, c0 = time.perf_counter(), time.process_time()
-        run, comm = dry_run(run_nd, layout.world, r, cfg, layout, B, S, True)
-        t = Timing(time.perf_counter() - t0, time.process_time() - c0)
-        out[r] = {"figures": figures(comm, run), "role": role, "time": t}
-    return out
+    if workers > 1 and len(reps) > 1:
+        import concurrent.futures as cf
+        import multiprocessing as mp
+
+        ctx = mp.get_context("fork")  # no re-import; jobs and figures are small to pickle
+        with cf.ProcessPoolExecutor(min(workers, len(reps)), mp_context=ctx) as pool:
+            done = pool.map(_one, [(cfg, layout, B, S, r) for r in reps])
+            return {r: {**res, "role": reps[r]} for r, res in zip(reps, done)}
+    return {r: {**_one((cfg, layout, B, S, r)), "role": role} for r, role in reps.items()}
+
+
+def _one(job) -> dict:
+    cfg, layout, B, S, r = job
+    t0, c0 = time.perf_counter(), time.process_time()
+    run, comm = dry_run(run_nd, layout.world, r, cfg, layout, B, S, True)
+    t = Timing(time.perf_counter() - t0, time.process_time() - c0)
+    return {"figures": figures(comm, run), "time": t, "rss_mib": peak_rss_mib()}
 
 
 def real_nd(cfg, layout, B: int, S: int) -> list:
@@ -116,6 +128,13 @@ def real_nd(cfg, layout, B: int, S: int) -> list:
     return emulator.spawn(body, layout.world, timeout=300)
 
 
+def cpu_seconds(runs: dict) -> float:
+    """CPU seconds of the ranks' dry runs together (each measured where it ran)."""
+    return sum(v["time"].cpu for v in runs.values())
+
+
 def peak_rss_mib() -> float:
-    """This process's peak resident set so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """The peak resident set so far of this process or of any worker it waited for (Linux
+    reports KiB)."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return max(own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024
