@@ -140,7 +140,8 @@ def role_figures(fig: dict) -> tuple:
     position-dependent tags (see representative), and the memory snapshot."""
     by: dict = {}
     for (tag, op, _alg, direction, _peer, group), n in fig["bytes"].items():
-        if not (tag.startswith("dp/clip") or tag.endswith("init_broadcast")):
+        # "clip": ep_train's tag for the same one-element norm all-reduce
+        if not (tag.startswith(("dp/clip", "clip")) or tag.endswith("init_broadcast")):
             by[(tag, op, direction, group)] = by.get((tag, op, direction, group), 0) + n
     return by, fig["memory"]
 
