@@ -11,6 +11,7 @@ from .comm import (
     CommError,
     CommTimeout,
     RankAborted,
+    UnreceivedMessage,
     current_state,
     scope,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "Mesh",
     "RankAborted",
     "Record",
+    "UnreceivedMessage",
     "current_state",
     "format_table",
     "launch",

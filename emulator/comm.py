@@ -13,6 +13,9 @@ Semantics, identical on both backends:
   does; a message of another shape or dtype is an error, not a silent reinterpretation.
 - Every blocking wait has a timeout; on expiry the error names the waiting rank, its peer, and
   every rank's last completed and current collective (the flight recorder).
+- Each message travels on a channel: -1 for user point-to-point traffic, else the sequence
+  number of the collective it belongs to. A receive matches only its own channel, so a stray
+  user send is never consumed by a collective, nor one collective's message by the next.
 
 Control-plane calls (`gather_object`, `allgather_object`) move Python objects for reports and
 checks. They are deliberately not counted: they are the emulator's instrumentation, not the
@@ -34,6 +37,7 @@ from .rank import (  # noqa: F401 - re-exported: the backends and users import t
     CommTimeout,
     RankAborted,
     RankState,
+    UnreceivedMessage,
     _bind_state,
     current_state,
     mismatch_message,
@@ -132,9 +136,11 @@ class Comm:
         st.calls.append(call)
         st.current = call
         st.depth = 1
+        st.progress += 1
         try:
             self._check(call)
             yield
+            self._end_call(call)  # only after a clean exit: a failing body is reported as is
         finally:
             st.depth = 0
             st.current = None
@@ -172,21 +178,33 @@ class Comm:
     def _record(self, direction: str, peer: int, nbytes: int) -> None:
         st = self.state
         call = st.current
-        st.ledger.add(
-            Record(
-                op=call.op if call else "p2p",
-                algorithm=call.algorithm if call else "",
+        st.progress += 1
+        ledger = st.ledger
+        op, algo, seq = ("p2p", "", -1) if call is None else (call.op, call.algorithm, call.seq)
+        tag = "/".join(st.tags) if st.tags else ""
+        key = (op, algo, self.name, self.ranks[peer], direction, nbytes, ledger.step, tag, seq)
+        # Records are frozen values: equal ones are shared (a ring's p-1 steps repeat one), which
+        # saves the dataclass constructor on most messages; the cache is small and per rank.
+        rec = st.record_cache.get(key)
+        if rec is None:
+            if len(st.record_cache) >= 256:
+                st.record_cache.clear()
+            rec = st.record_cache[key] = Record(
+                op=op,
+                algorithm=algo,
                 group=self.name,
                 peer=self.ranks[peer],
                 direction=direction,
                 nbytes=int(nbytes),
-                step=st.ledger.step,
-                tag="/".join(st.tags),
-                seq=call.seq if call else -1,
+                step=ledger.step,
+                tag=tag,
+                seq=seq,
             )
-        )
+        ledger.add(rec)
 
     def _peer(self, peer: int, verb: str) -> None:
+        if type(peer) is int and 0 <= peer < self.world_size and peer != self.rank:
+            return  # the common case, checked in one line (every message passes here)
         if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.world_size:
             raise ValueError(
                 f"rank {self.rank} of {self.name!r}: cannot {verb} rank {peer!r}; "
@@ -202,7 +220,8 @@ class Comm:
     def _as_message(array, what: str) -> np.ndarray:
         if not isinstance(array, np.ndarray):
             raise TypeError(f"{what}: expected a NumPy array, got {type(array).__name__}")
-        if array.dtype.hasobject or array.dtype.kind not in "biufcV":
+        dt = array.dtype
+        if dt.hasobject or dt.kind not in "biufcV":
             raise ValueError(
                 f"{what}: dtype {array.dtype} is not a numeric dtype; send numbers "
                 f"(bool, int, float, complex, bfloat16)"
@@ -232,6 +251,10 @@ class Comm:
     def _check(self, call: Call) -> None:
         raise NotImplementedError
 
+    def _end_call(self, call: Call) -> None:
+        """The outermost collective `call` returned on this rank: a backend that can see
+        messages of its channel still waiting here raises `UnreceivedMessage`."""
+
     def _make_group(self, glob: tuple, name: str, key) -> Comm:
         raise NotImplementedError
 
@@ -251,5 +274,10 @@ def _expected(out, shape, dtype):
             "recv: give out=<buffer> or both shape= and dtype=; a receiver must know what it "
             "expects (as with MPI), so a wrong message is caught instead of misread"
         )
-    shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
-    return None, shape, np.dtype(dtype)
+    if type(shape) is int:  # the common cases first: every receive passes here
+        shape = (shape,)
+    elif type(shape) is tuple:
+        shape = tuple(map(int, shape))
+    else:
+        shape = (int(shape),) if np.isscalar(shape) else tuple(map(int, shape))
+    return None, shape, dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)

@@ -2,37 +2,45 @@
 
 `spawn(fn, world_size)` runs `fn(comm, *args, **kwargs)` once per rank, each on its own thread
 with its own `Comm`, and returns the list of the ranks' return values. A send copies the array
-into the receiver's mailbox (keyed by group and sender, FIFO), so no rank ever sees another
-rank's memory. NumPy releases the GIL in large array operations, so big messages move at
-memory speed; small ones are dominated by Python overhead.
+into the receiver's mailbox (keyed by group, channel and sender, FIFO), so no rank ever sees
+another rank's memory. NumPy releases the GIL in large array operations, so big messages move
+at memory speed; small ones are dominated by Python overhead.
 
-Failure handling: the first exception on any rank aborts the world - every rank blocked in a
-receive or about to communicate raises `RankAborted` - and `spawn` re-raises the original
-exception, annotated with its rank. A receive that waits longer than `timeout` seconds raises
-`CommTimeout` with every rank's flight recorder.
+Failure handling: the first exception on any rank aborts the world - one world-level failure
+slot, then every rank blocked in a receive or about to communicate raises `RankAborted` - and
+`spawn` re-raises the original exception, annotated with its rank. A receive that waits longer
+than `timeout` seconds raises `CommTimeout` with every rank's flight recorder. A message left
+unreceived at the end of a collective or of the run raises `UnreceivedMessage`. `spawn` itself
+never waits without a deadline (`emulator.watchdog`): ranks stuck in user code are reported,
+and Ctrl-C stops the run.
+
+Locking (deadlock-free by construction): each rank's mailbox has one lock, taken only by the
+owner and by senders to it, never while holding another lock. The world lock guards the
+failure slot and the cross-rank tables and is never taken while holding a mailbox lock.
+A blocked rank sleeps until notified or until its deadline - no periodic wake-ups: at 4,096
+ranks, one wake-up per rank per second kept the GIL busy enough that a barrier took 78 s.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from collections import deque
 
 import numpy as np
 
-from . import blas
+from . import blas, watchdog
 from .comm import (
     Call,
     CollectiveMismatch,
     Comm,
     CommError,
-    CommTimeout,
     RankAborted,
     RankState,
+    UnreceivedMessage,
     _bind_state,
     mismatch_message,
 )
 from .ledger import Ledger
+from .mailbox import Mailbox, leftover_report
 
 DEFAULT_TIMEOUT = 60.0
 
@@ -43,26 +51,52 @@ class VirtualWorld:
         self.timeout = float(timeout)
         self.check = check
         self.states = [RankState(rank=r, ledger=Ledger(r)) for r in range(world_size)]
-        self.inbox = [{} for _ in range(world_size)]  # (key, src) -> deque of arrays
-        self.cond = [threading.Condition() for _ in range(world_size)]
+        self.boxes = [Mailbox(self, r) for r in range(world_size)]
+        self.names: dict = {("world",): "world"}  # group key -> group name (for reports)
         self.lock = threading.Lock()
-        self.calls: dict = {}  # (group key, seq) -> [(global rank, Call), arrivals]
-        self.objects: dict = {}  # control plane: (key, n) -> {rank: obj}
+        self.calls: dict = {}  # (group key, seq) -> [first global rank, its Call, arrivals]
+        self.objects: dict = {}  # control plane: (key, n) -> {group rank: obj}
         self.failure: BaseException | None = None
         self.failed_rank: int | None = None
+        self.done = threading.Condition(threading.Lock())  # the spawner waits on it
+        self.started_at: float | None = None  # when every thread ran (no deadline ends before)
+        self.running = world_size
+        self.exited = [False] * world_size  # the rank's thread has left the user's program
 
     # -- failure ----------------------------------------------------------------------------
-    def abort(self, rank: int, exc: BaseException) -> None:
+    def abort(self, rank: int, exc: BaseException) -> bool:
+        """Record the first failure and wake every waiter; True if this was the first."""
         with self.lock:
-            if self.failure is None:
-                self.failure, self.failed_rank = exc, rank
-        for c in self.cond:
-            with c:
-                c.notify_all()
+            if self.failure is not None:
+                return False
+            self.failure, self.failed_rank = exc, rank
+        for box in self.boxes:  # one lock at a time, none held: no lock-order cycle
+            box.wake()
+        with self.done:
+            self.done.notify_all()
+        return True
+
+    def fail(self, rank: int, make) -> None:
+        """Raise the world's failure; if there is none yet, make it (`make()`) and raise it.
+
+        Only the first failing rank builds its report (a flight recorder of every rank), so
+        1,024 ranks timing out together build one report, not 1,024.
+        """
+        with self.lock:
+            first = self.failure is None
+            if first:
+                self.failure, self.failed_rank = make(), rank
+        if first:
+            for box in self.boxes:
+                box.wake()
+            with self.done:
+                self.done.notify_all()
+            raise self.failure
+        self.raise_if_failed()
 
     def raise_if_failed(self) -> None:
-        if self.failure is not None:
-            exc = self.failure
+        exc = self.failure
+        if exc is not None:
             if isinstance(exc, CommError):
                 raise type(exc)(str(exc))  # every rank sees the same diagnosis
             raise RankAborted(
@@ -72,54 +106,59 @@ class VirtualWorld:
     def flight_recorder(self) -> str:
         return "\n".join("  " + s.flight() for s in self.states)
 
+    def rank_done(self, rank: int) -> None:
+        with self.done:
+            self.running -= 1
+            self.exited[rank] = True
+            self.done.notify_all()
+
 
 class VirtualComm(Comm):
     def _post(self, array: np.ndarray, dst: int, channel: int) -> None:
         w = self.world
-        w.raise_if_failed()
-        msg = np.array(array, copy=True, order="C")  # the receiver owns a private copy
-        g = self.ranks[dst]
-        with w.cond[g]:
-            w.inbox[g].setdefault((self.key, self.state.rank), deque()).append(msg)
-            w.cond[g].notify_all()
+        if w.failure is not None:
+            w.raise_if_failed()
+        # the receiver owns a private C-ordered copy (a plain ndarray, as np.array would give)
+        msg = array.copy() if type(array) is np.ndarray else np.array(array, copy=True, order="C")
+        w.boxes[self.ranks[dst]].put(self, channel, msg)
 
     def _take(self, src: int, out, shape, dtype, channel: int) -> np.ndarray:
-        w, me, s = self.world, self.state.rank, self.ranks[src]
-        box = w.inbox[me]
-        deadline = time.monotonic() + w.timeout
-        with w.cond[me]:
-            while True:
-                w.raise_if_failed()
-                q = box.get((self.key, s))
-                if q:
-                    msg = q.popleft()
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    exc = CommTimeout(
-                        f"rank {me} waited {w.timeout:g} s to receive from rank {s} in group "
-                        f"{self.name!r} and nothing arrived (a hang: some rank skipped a send "
-                        f"or is stuck).\nflight recorder:\n{w.flight_recorder()}"
-                    )
-                    w.abort(me, exc)
-                    raise exc
-                w.cond[me].wait(min(left, 1.0))
-        if msg.shape != tuple(shape) or msg.dtype != dtype:
-            exc = CommError(
-                f"rank {me} expected {dtype}{list(shape)} from rank {s} in group {self.name!r} "
-                f"but received {msg.dtype}{list(msg.shape)}; sender and receiver disagree "
-                f"about the message (check both sides' sizes)"
+        w = self.world
+        if w.failure is not None:
+            w.raise_if_failed()
+        me, s = self.state.rank, self.ranks[src]
+        msg = w.boxes[me].get(self, channel, s)
+        if msg.shape != shape or msg.dtype != dtype:  # shape: a tuple (comm._expected)
+            w.fail(
+                me,
+                lambda: CommError(
+                    f"rank {me} expected {dtype}{list(shape)} from rank {s} in group "
+                    f"{self.name!r} but received {msg.dtype}{list(msg.shape)}; sender and "
+                    f"receiver disagree about the message (check both sides' sizes)"
+                ),
             )
-            w.abort(me, exc)
-            raise exc
         if out is None:
             return msg
         out[...] = msg
         return out
 
+    def _end_call(self, call: Call) -> None:
+        w, me = self.world, self.state.rank
+        left = w.boxes[me].close(self.key, call.seq)
+        if left:
+            w.fail(
+                me,
+                lambda: UnreceivedMessage(
+                    f"rank {me} finished {call.describe()} with message(s) of that collective "
+                    f"never received:\n{leftover_report(w, me, (self.key, call.seq), left)}\n"
+                    f"(the collective's sends and receives do not pair up)"
+                ),
+            )
+
     def _check(self, call: Call) -> None:
         w = self.world
-        w.raise_if_failed()
+        if w.failure is not None:
+            w.raise_if_failed()
         if not w.check:
             return
         key = (self.key, call.seq)
@@ -140,43 +179,46 @@ class VirtualComm(Comm):
             raise exc
 
     def _make_group(self, glob: tuple, name: str, key) -> Comm:
+        self.world.names.setdefault(key, name)
         return VirtualComm(self.world, self.state, glob, name, key)
 
     def allgather_object(self, obj) -> list:
         w, st = self.world, self.state
         n = st.seqs.get(("objects", self.key), 0)
         st.seqs[("objects", self.key)] = n + 1
-        key = (self.key, n)
-        deadline = time.monotonic() + w.timeout
+        if w.failure is not None:
+            w.raise_if_failed()
         with w.lock:
-            w.objects.setdefault(key, {})[self.rank] = obj
-        for c in (w.cond[g] for g in self.ranks):
-            with c:
-                c.notify_all()
-        me = w.cond[st.rank]
-        with me:
-            while len(w.objects[key]) < self.world_size:
-                w.raise_if_failed()
-                if time.monotonic() > deadline:
-                    exc = CommTimeout(
-                        f"rank {st.rank} waited {w.timeout:g} s in a control-plane gather of "
-                        f"group {self.name!r}; ranks "
-                        f"{sorted(set(range(self.world_size)) - set(w.objects[key]))} never "
-                        f"arrived.\nflight recorder:\n{w.flight_recorder()}"
-                    )
-                    w.abort(st.rank, exc)
-                    raise exc
-                me.wait(0.05)
-        objs = w.objects[key]
+            objs = w.objects.setdefault((self.key, n), {})
+            objs[self.rank] = obj
+            complete = len(objs) == self.world_size
+            if complete:  # every member holds `objs` already: the table entry can go
+                del w.objects[(self.key, n)]
+        st.progress += 1
+        if complete:  # the last arrival wakes the others: O(p) per gather, not O(p^2)
+            for g in self.ranks:
+                w.boxes[g].wake()
+        else:
+            w.boxes[st.rank].wait_for(
+                lambda: len(objs) == self.world_size,
+                lambda: (
+                    f"rank {st.rank} waited {w.timeout:g} s in a control-plane gather of group "
+                    f"{self.name!r}; ranks "
+                    f"{sorted(set(range(self.world_size)) - set(objs))} never arrived."
+                ),
+            )
         return [objs[r] for r in range(self.world_size)]
 
 
 def spawn(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, check: bool = True, **kw):
     """Run `fn(comm, *args, **kw)` on `world_size` virtual ranks; return their results in order.
 
-    `timeout` bounds every blocking wait (seconds). `check` verifies that the ranks of a group
-    issue identical collectives (op, algorithm, shape, dtype) before each one runs.
-    The first exception raised on any rank is re-raised here, with a note naming the rank.
+    `timeout` bounds every blocking wait (seconds), spawn's own included: once a rank has
+    returned or failed, a rank that neither communicates nor returns for `timeout` is reported
+    as stuck (`CommTimeout`). `check` verifies that the ranks of a group issue identical
+    collectives (op, algorithm, shape, dtype) before each one runs. The first exception raised
+    on any rank is re-raised here, with a note naming the rank. Messages never received raise
+    `UnreceivedMessage`. Ctrl-C (KeyboardInterrupt) stops every rank and is re-raised.
     """
     if not isinstance(world_size, (int, np.integer)) or world_size < 1:
         raise ValueError(f"spawn: world_size must be a positive integer, got {world_size!r}")
@@ -186,7 +228,7 @@ def spawn(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, check: b
     ranks = tuple(range(w.size))
     results: list = [None] * w.size
 
-    def run(r: int) -> None:
+    def body(r: int) -> None:
         st = w.states[r]
         _bind_state(st)
         try:
@@ -198,16 +240,36 @@ def spawn(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, check: b
             w.abort(r, exc)
         finally:
             _bind_state(None)
+            w.rank_done(r)
 
-    threads = [threading.Thread(target=run, args=(r,), name=f"rank-{r}") for r in ranks]
+    def run(r: int) -> None:
+        try:
+            body(r)
+        except RankAborted:  # the watchdog's stop, landing after the rank's program ended
+            pass
+
+    # daemon threads: a rank stuck in a sleep or a C call cannot be killed, and must not keep
+    # the process alive after spawn has reported it
+    threads = [
+        threading.Thread(target=run, args=(r,), name=f"rank-{r}", daemon=True) for r in ranks
+    ]
     with blas.limit(blas.per_rank(w.size)):  # P ranks must not each start a full BLAS pool
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        stuck = watchdog.supervise(w, threads)  # starts them; waits, never without a deadline
     if w.failure is not None:
         exc = w.failure
-        if hasattr(exc, "add_note") and not isinstance(exc, CommError):
-            exc.add_note(f"(raised on virtual rank {w.failed_rank} of {w.size})")
+        if hasattr(exc, "add_note"):
+            if not isinstance(exc, CommError):
+                exc.add_note(f"(raised on virtual rank {w.failed_rank} of {w.size})")
+            if stuck:
+                exc.add_note(stuck)
         raise exc
+    left = [(me, kc, sub) for me, box in enumerate(w.boxes) for kc, sub in box.pending()]
+    if left:
+        lines = "\n".join(leftover_report(w, me, kc, sub) for me, kc, sub in left[:20])
+        more = f"\n  ... and {len(left) - 20} more" if len(left) > 20 else ""
+        raise UnreceivedMessage(
+            f"the run ended with message(s) sent but never received:\n{lines}{more}\n"
+            f"(every send needs a matching receive; point-to-point and collective traffic never "
+            f"match each other)"
+        )
     return results

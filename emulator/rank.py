@@ -32,6 +32,11 @@ class RankAborted(CommError):
     """This rank stopped because another rank failed first; the spawner re-raises that failure."""
 
 
+class UnreceivedMessage(CommError):
+    """A message was sent but never received: left over at the end of a collective or a run, or
+    sent into a collective its receiver had already finished. Names sender, receiver and size."""
+
+
 @dataclass
 class Call:
     """One collective call, as the flight recorder keeps it."""
@@ -70,10 +75,15 @@ class RankState:
     group_counts: dict = field(default_factory=dict)
     seqs: dict = field(default_factory=dict)  # collectives issued per group key
     finished: bool = False  # the rank's program has returned
+    progress: int = 0  # messages + collective calls so far: a watchdog tells a stuck rank by it
+    waiting: bool = False  # blocked in a communication wait (which has its own deadline)
+    record_cache: dict = field(default_factory=dict)  # ledger Records by value (comm._record)
 
     def flight(self) -> str:
-        done = [c for c in self.calls if c is not self.current]
-        last = done[-1].describe() if done else "none"
+        # O(1): a timeout prints every rank's line, and 1,024 ranks may time out together
+        calls = self.calls
+        n = len(calls) - (1 if calls and calls[-1] is self.current else 0)
+        last = calls[n - 1].describe() if n else "none"
         now = self.current.describe() if self.current else "none (in user code)"
         if self.finished:
             now = "none (its program has returned)"

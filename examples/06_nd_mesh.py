@@ -3,6 +3,7 @@
     python -m emulator run -n 8 examples/06_nd_mesh.py --dp 2 --pp 2 --tp 2 --zero 3 --sequence-parallel
     python -m emulator run -n 8 examples/06_nd_mesh.py --zero 1 --schedule interleaved --chunks 2
     mpiexec -n 8 python examples/06_nd_mesh.py --dp 2 --pp 2 --tp 2 --zero 2 --moe
+    python -m emulator run -n 8 examples/06_nd_mesh.py --svg nd.svg --json nd.json --seed 1
 
 parallel.train runs the Layout on every rank: the pipeline executor drives each stage's layers
 through the rank's LayerContext (single-rank or Megatron TP/SP blocks), and DP / ZeRO act through
@@ -15,65 +16,100 @@ axis's own formula on its share); its static memory by category (and ZeRO-2/3 pe
 formulas, and its peak activation bytes beside the pipeline's in-flight formula with TP/SP
 units (parallel/nd_cost.rank_peak_activations). Prints the Layout, the mesh's groups, both tables and a VERDICT line; exits 1 on any
 mismatch.
+--svg PATH writes the pipeline timeline (the executed per-stage orders replayed under unit costs)
+to PATH and the per-axis communication matrix (bytes each rank sent to each rank, from the
+ledger) to PATH with -comm.svg; --json PATH every rank's ledger totals and memory and the verdict.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import hashlib
 import sys
 
-import emulator
 import parallel
-from emulator.check import compare, compare_run, verdict
+from emulator import svg
+from emulator.check import compare, compare_run
 from emulator.data import synthetic_batch
 from emulator.ledger import format_table
 from emulator.model import ModelConfig
 from emulator.reference import reference_train
 from parallel import Layout, nd_cost
+from parallel.pipeline.bubble import Cost, replay
+from parallel.pipeline.schedules import Schedule, make_schedule
 from parallel.tensor.block import megatron_plan
 from parallel.tensor.shard import shard
+from tools import args as cli
+from tools.run import progress, rank_report, record, run_example, say_verdict
 
-p_ = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p_ = cli.parser(__doc__)
 for axis, default in (("dp", 2), ("pp", 2), ("tp", 2)):
-    p_.add_argument(f"--{axis}", type=int, default=default, help=f"{axis} degree")
+    p_.add_argument(f"--{axis}", type=cli.positive_int, default=default, help=f"{axis} degree")
 p_.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="0 = DDP")
 p_.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1"])
-p_.add_argument("--chunks", type=int, default=1, help="v, for --schedule interleaved")
-p_.add_argument("--microbatches", type=int, default=None, help="m per dp rank (default 2 pp)")
-p_.add_argument("--sequence-parallel", action="store_true")
+p_.add_argument("--chunks", type=cli.positive_int, default=None,
+                help="v, for --schedule interleaved (default 2)")  # fmt: skip
+p_.add_argument("--microbatches", type=cli.positive_int, default=None,
+                help="m per dp rank (default 2 pp)")  # fmt: skip
+p_.add_argument("--sequence-parallel", action="store_true", help="SP on the tp group (tp > 1)")
 p_.add_argument("--recompute", default="none", choices=["none", "selective"])
 p_.add_argument("--prefetch", action="store_true", help="ZeRO-3: gather the next layer early")
 p_.add_argument("--no-reshard", action="store_true", help="ZeRO-3: keep units forward->backward")
 p_.add_argument("--moe", action="store_true", help="MoE blocks (E = K = 2: no discrete choice)")
-p_.add_argument("--steps", type=int, default=2)
-p_.add_argument("--max-norm", type=float, default=0.5, help="clip norm (0: no clipping)")
-ARGS = p_.parse_args()
+p_.add_argument("--max-norm", type=cli.nonneg_float, default=0.5, help="clip norm (0: no clip)")
+p_.add_argument("--svg", default=None, metavar="PATH",
+                help="write the pipeline timeline (PATH) and the per-axis comm matrix (PATH with "
+                     "-comm.svg)")  # fmt: skip
+p_.add_argument("--layers", type=cli.positive_int, default=None,
+                help="model L (default max(2, pp v))")  # fmt: skip
+p_.add_argument("--batch", type=cli.positive_int, default=None,
+                help="global batch B, a multiple of dp m (default 2 dp m)")  # fmt: skip
+cli.add_common(p_, model={"vocab": 32, "seq": 8, "d_model": 16, "heads": 4}, steps=2)
+ARGS = cli.parse(p_)
+for _flag in ("--prefetch", "--no-reshard"):
+    cli.refuse_unless(
+        p_, ARGS, _flag, False, ARGS.zero == 3, f"with --zero {ARGS.zero} (ZeRO-3 only)"
+    )
+cli.refuse_unless(p_, ARGS, "--chunks", None, ARGS.schedule == "interleaved",
+                  f"with --schedule {ARGS.schedule} (only interleaved has chunks)")  # fmt: skip
+cli.refuse_unless(p_, ARGS, "--sequence-parallel", False, ARGS.tp > 1,
+                  "with --tp 1 (SP cuts the sequence over the tp group)")  # fmt: skip
+ARGS.chunks = (ARGS.chunks or 2) if ARGS.schedule == "interleaved" else 1
+ARGS.microbatches = ARGS.microbatches or 2 * ARGS.pp
+_pieces = ARGS.pp * ARGS.chunks
+ARGS.layers = ARGS.layers or max(2, _pieces)
+if ARGS.layers < _pieces:
+    p_.error(f"argument --layers: {ARGS.layers} blocks cannot fill {_pieces} stage chunks; "
+             f"need --layers >= {_pieces}")  # fmt: skip
+ARGS.batch = ARGS.batch or 2 * ARGS.dp * ARGS.microbatches
+if ARGS.batch % (ARGS.dp * ARGS.microbatches):
+    _dm = ARGS.dp * ARGS.microbatches
+    p_.error(f"argument --batch: {ARGS.batch} is not a multiple of --dp {ARGS.dp} x "
+             f"--microbatches {ARGS.microbatches} = {_dm}; choose --batch {_dm * max(1, ARGS.batch // _dm)}")  # fmt: skip
 RTOL = 1e-12  # float64: the layouts sum in other orders (dp, tp partials, the clip norm)
 HYPER = {"lr": 3e-3, "betas": (0.85, 0.95), "eps": 1e-7, "weight_decay": 0.05}
 
 
 def setup():
     a = ARGS
-    if a.schedule == "interleaved" and a.chunks < 2:
-        a.chunks = 2
-    m = a.microbatches or 2 * a.pp
     layout = Layout(dp=a.dp, pp=a.pp, tp=a.tp, zero=a.zero, sequence_parallel=a.sequence_parallel,
-                    schedule=a.schedule, chunks=a.chunks, microbatches=m, recompute=a.recompute,
-                    reshard_after_forward=not a.no_reshard, prefetch=a.prefetch)  # fmt: skip
-    cfg = ModelConfig(vocab_size=32, max_seq_len=16, d_model=16, n_heads=4,
-                      n_layers=max(2, a.pp * a.chunks), n_experts=2 if a.moe else 0,
+                    schedule=a.schedule, chunks=a.chunks, microbatches=a.microbatches,
+                    recompute=a.recompute, reshard_after_forward=not a.no_reshard,
+                    prefetch=a.prefetch)  # fmt: skip
+    cfg = ModelConfig(vocab_size=a.vocab, max_seq_len=max(16, a.seq), d_model=a.d_model,
+                      n_heads=a.heads, n_layers=a.layers, n_experts=2 if a.moe else 0,
                       moe_top_k=2, capacity_factor=2.0)  # fmt: skip
-    B, S = 2 * a.dp * m, 8
-    return layout, cfg, B, S, lambda step: synthetic_batch(5, step, B, S, cfg.vocab_size)
+    B, S = a.batch, a.seq
+    return layout, cfg, B, S, lambda step: synthetic_batch(5 + a.seed, step, B, S, cfg.vocab_size)
 
 
 def main(comm) -> int:
     layout, cfg, B, S, batches = setup()
     clip = ARGS.max_norm or None
-    run = parallel.train(comm, layout, cfg, batches, ARGS.steps, seed=0, max_norm=clip, **HYPER)
-    ref = reference_train(cfg, 0, batches, ARGS.steps, microbatches=layout.dp * layout.microbatches,
-                          max_norm=clip, **HYPER)  # fmt: skip
+    run = parallel.train(comm, layout, cfg, progress(batches, ARGS.steps), ARGS.steps,
+                         seed=ARGS.seed, max_norm=clip, **HYPER)  # fmt: skip
+    ref = reference_train(cfg, ARGS.seed, batches, ARGS.steps,
+                          microbatches=layout.dp * layout.microbatches, max_norm=clip, **HYPER)  # fmt: skip
     worst, fails = compare_run(run, ref, RTOL)
     t, r = layout.tp, run.coords["tp"]
     plan = megatron_plan(cfg)
@@ -96,9 +132,13 @@ def main(comm) -> int:
     h = hashlib.sha256(repr(run.losses).encode())  # every bit of the run: losses, own state
     for n in sorted(run.local_params):
         h.update(run.local_params[n].tobytes() + run.local_grads[n].tobytes())
+    want_order = make_schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+    if run.executed != want_order.stages[s]:
+        fails.append(f"stage {s} ran {' '.join(map(str, run.executed))}, not the schedule's order")
     row = (comm.rank, run.coords, run.step_bytes[-1], bytes_want, got_static, static, got_peak,
-           peak, [f"rank {comm.rank}: {f}" for f in fails], worst, h.hexdigest())  # fmt: skip
+           peak, [f"rank {comm.rank}: {f}" for f in fails], worst, h.hexdigest(), run.executed)  # fmt: skip
     rows = comm.allgather_object(row)  # uncounted: the report
+    sent_to = comm.allgather_object(rank_report(comm)["sent_to"]) if ARGS.svg else None
     if comm.rank:
         return 0 if not fails else 1
     print(layout)
@@ -121,11 +161,32 @@ def main(comm) -> int:
         print("MISMATCH:", f)
     w = {k: max(row[9][k] for row in rows) for k in ("loss", "grad", "param")}
     total = sum(sum(row[2].values()) for row in rows)
-    print(verdict(every, f"{layout} on all {comm.world_size} ranks, {ARGS.steps} steps vs the "
+    pictures = pictures_of(rows, sent_to, want_order, layout) if ARGS.svg else []
+    for pic in pictures:
+        print(f"SVG: {pic}")
+    record(step_bytes_sent=[row[2] for row in rows], step_bytes_formula=[row[3] for row in rows],
+           static_memory_formula=[row[5] for row in rows], peak_memory_formula=[row[7] for row in rows],
+           digest=digest, svg=pictures)  # fmt: skip
+    say_verdict(every, f"{layout} on all {comm.world_size} ranks, {ARGS.steps} steps vs the "
                   f"reference (rtol {RTOL:.0e}): loss {w['loss']:.1e}, grad {w['grad']:.1e}, "
                   f"param {w['param']:.1e}, own shards too; bytes by axis = formula on every rank "
-                  f"({total} B/step in all); static memory and peak activations = formula"))  # fmt: skip
+                  f"({total} B/step in all); static memory and peak activations = formula")  # fmt: skip
     return 0 if not every else 1
+
+
+def pictures_of(rows, sent_to, sched: Schedule, layout) -> list[str]:
+    """The timeline of the executed per-stage orders (the dp = tp = 0 rank of each pp stage)
+    replayed under unit costs, and the per-axis comm matrix of every rank's sent bytes."""
+    ran = {row[1]["pp"]: row[11] for row in rows if row[1]["dp"] == row[1]["tp"] == 0}
+    executed = dataclasses.replace(sched, stages=[ran[s] for s in range(sched.p)])
+    title = (
+        f"{layout.schedule}: p={sched.p} m={sched.m} v={sched.v} (dp={layout.dp}, tp={layout.tp})"
+    )
+    base = ARGS.svg.removesuffix(".svg")
+    return [svg.write(ARGS.svg, svg.timeline_svg(replay(executed, Cost(1, 1, 1)), sched.p,
+                                                  title=title)),
+            svg.write(base + "-comm.svg", svg.comm_matrix_svg(sent_to, title=f"{layout}: bytes "
+                      "sent, row rank -> column rank, per axis"))]  # fmt: skip
 
 
 if __name__ == "__main__":
@@ -133,4 +194,5 @@ if __name__ == "__main__":
     bad = lay.problems(lay.world, c, (b, s))
     if bad:
         p_.error(f"{lay} cannot run: " + "; ".join(bad))
-    sys.exit(emulator.launch(main, world_size=lay.world))
+    cli.check_world(p_, lay.world, f"--dp {lay.dp} x --pp {lay.pp} x --tp {lay.tp}")
+    sys.exit(run_example(main, ARGS, world_size=lay.world))

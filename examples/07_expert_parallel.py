@@ -17,14 +17,12 @@ every edp replica bitwise equal to the ep rank it mirrors).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 
 import numpy as np
 
-import emulator
-from emulator.check import compare_losses, verdict
+from emulator.check import compare_losses
 from emulator.data import synthetic_batch
 from emulator.ledger import format_table
 from emulator.model import ModelConfig, param_shapes
@@ -34,41 +32,63 @@ from parallel.check.data import TOL, compare_dp
 from parallel.check.routing import reference_routes
 from parallel.data.cost import step_bytes as ddp_step_bytes
 from parallel.expert.cost import PHASES, ep_block_activation_bytes, layer_bytes
+from parallel.expert.layer import check_ep
 from parallel.expert.load import format_load, load_table, received
-from parallel.expert.train import assemble, ep_train, is_expert
+from parallel.expert.train import assemble, check_batch, ep_train, is_expert
+from tools import args as cli
+from tools.run import progress, record, run_example, say_verdict
 
-p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-p.add_argument("--ep", type=int, default=4, help="expert-parallel group size (divides the ranks)")
-p.add_argument("--dp", type=int, default=None, help="expert-data-parallel degree: ranks / ep")
-p.add_argument("--experts", type=int, default=8)
-p.add_argument("--top-k", type=int, default=2)
-p.add_argument("--capacity-factor", type=float, default=1.0)
+p = cli.parser(__doc__)
+p.add_argument("--ep", type=cli.positive_int, default=4,
+               help="expert-parallel group size (divides the ranks)")  # fmt: skip
+p.add_argument("--dp", type=cli.positive_int, default=None,
+               help="expert-data-parallel degree: ranks / ep")  # fmt: skip
+p.add_argument("--experts", type=cli.positive_int, default=8, help="E")
+p.add_argument("--top-k", type=cli.positive_int, default=2, help="K, experts per token")
+p.add_argument("--capacity-factor", type=cli.positive_float, default=1.0)
 p.add_argument("--dispatch", choices=["exact", "padded"], default="exact")
 p.add_argument("--grad-sync", choices=["allreduce", "ddp"], default="allreduce",
                help="per-tensor all-reduce, or DDP buckets over dp and over edp")  # fmt: skip
 p.add_argument("--dtype", choices=["float64", "float32", "mixed"], default="float64")
-p.add_argument("--microbatches", type=int, default=2)
-p.add_argument("--steps", type=int, default=3)
-p.add_argument("--batch", type=int, default=None, help="global batch (default 2 x ranks x k)")
-args = p.parse_args()
+p.add_argument("--microbatches", type=cli.positive_int, default=2)
+p.add_argument("--batch", type=cli.positive_int, default=None,
+               help="global batch (default 2 x ranks x k)")  # fmt: skip
+cli.add_common(p, model={"vocab": 32, "seq": 8, "d_model": 16, "heads": 2, "layers": 2}, steps=3)
+args = cli.parse(p)
+# the world: --dp x --ep when --dp is given (checked against -n / mpiexec), else the job's size
+D_ = args.dp * args.ep if args.dp is not None else cli.planned_world_size(4)
+if args.dp is not None:
+    cli.check_world(p, D_, f"--dp {args.dp} x --ep {args.ep}")
+if D_ % args.ep:
+    p.error(f"argument --ep: ep={args.ep} must divide the {D_} data-parallel ranks; choose --ep "
+            f"in {[d for d in range(1, D_ + 1) if D_ % d == 0]}")  # fmt: skip
+try:
+    check_ep(args.experts, args.ep, args.top_k)
+except ValueError as e:
+    p.error(f"argument --experts {args.experts} / --ep {args.ep} / --top-k {args.top_k}: {e}")
+args.batch = args.batch or 2 * D_ * args.microbatches
+try:
+    check_batch(D_, args.batch, args.microbatches)
+except ValueError as e:
+    p.error(f"argument --batch {args.batch}: {e}; choose a multiple of "
+            f"{D_ * args.microbatches}")  # fmt: skip
 
-S = 8
+S = args.seq
 TRAIN = {"lr": 1e-3, "max_norm": 1.0}
 
 
 def main(comm) -> int:
     D, ep, k = comm.size, args.ep, args.microbatches
-    if args.dp is not None and args.dp * ep != D:
-        raise SystemExit(f"--dp {args.dp} x --ep {ep} = {args.dp * ep} ranks, but {D} are running")
-    cfg = ModelConfig(vocab_size=32, max_seq_len=S, d_model=16, n_heads=2, n_layers=2,
-                      n_experts=args.experts, moe_top_k=args.top_k,
+    if D != D_:
+        raise ValueError(f"the world has {D} ranks, but the flags planned {D_}")
+    cfg = ModelConfig(**cli.model_kwargs(args), n_experts=args.experts, moe_top_k=args.top_k,
                       capacity_factor=args.capacity_factor, dtype=args.dtype)  # fmt: skip
-    B = args.batch or 2 * D * k
+    B = args.batch
 
     def batches(step):
-        return synthetic_batch(0, step, B, S, cfg.vocab_size)
+        return synthetic_batch(args.seed, step, B, S, cfg.vocab_size)
 
-    run = ep_train(comm, cfg, 0, batches, args.steps, ep=ep, microbatches=k,
+    run = ep_train(comm, cfg, args.seed, progress(batches, args.steps), args.steps, ep=ep, microbatches=k,
                    dispatch=args.dispatch, grad_sync=args.grad_sync, bucket_cap_mb=0.01,
                    **TRAIN)  # fmt: skip
     last = run.moe[-1]  # [micro-batch][layer] of the last step
@@ -126,8 +146,8 @@ def main(comm) -> int:
     if comm.rank != 0:
         return 0
     kw = {"microbatches": D * k, **TRAIN}
-    ref = reference_train(cfg, 0, batches, args.steps, **kw)
-    routing = reference_routes(cfg, 0, batches, args.steps, **kw)
+    ref = reference_train(cfg, args.seed, batches, args.steps, **kw)
+    routing = reference_routes(cfg, args.seed, batches, args.steps, **kw)
     problems = [f"rank {r}: bytes or memory differ from the formulas"
                 for r, (_, good, _) in enumerate(gathered) if not good]  # fmt: skip
     for text, _, _ in gathered:
@@ -145,11 +165,12 @@ def main(comm) -> int:
     for line in problems[:8]:
         print("  MISMATCH:", line[:300])
     print(f"losses {[f'{x:.6f}' for x in ref.losses]} (reference), ep {ep} x edp {D // ep}")
-    print(verdict(problems, f"ep={ep} x edp={D // ep}, E={E} K={cfg.moe_top_k} "
+    record(losses=[float(x) for x in ref.losses], formulas_hold=[g[1] for g in gathered])
+    say_verdict(problems, f"ep={ep} x edp={D // ep}, E={E} K={cfg.moe_top_k} "
                             f"cf={cfg.capacity_factor} {args.dispatch} {cfg.dtype}, {args.steps} "
-                            f"steps, {D} ranks: {note}; ep bytes, static and peak activation memory == formulas"))  # fmt: skip
+                            f"steps, {D} ranks: {note}; ep bytes, static and peak activation memory == formulas")  # fmt: skip
     return 0 if not problems else 1
 
 
 if __name__ == "__main__":
-    sys.exit(emulator.launch(main))
+    sys.exit(run_example(main, args, world_size=D_))

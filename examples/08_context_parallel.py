@@ -22,13 +22,11 @@ theirs; the verdict. Exits 1 on any mismatch.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import numpy as np
 
-import emulator
-from emulator.check import compare_run, verdict
+from emulator.check import compare_run
 from emulator.data import synthetic_batch
 from emulator.ledger import format_table
 from emulator.model import ModelConfig
@@ -43,20 +41,28 @@ from parallel.context.attention import (
 )
 from parallel.context.train import cp_mesh, cp_train, routing_groups
 from parallel.context.ulysses import check_heads
+from tools import args as cli
+from tools.run import progress, record, run_example, say_verdict
+
+PARSER = cli.parser(__doc__)
+PARSER.add_argument("--cp", type=cli.positive_int, default=4, help="context-parallel degree")
+PARSER.add_argument("--dp", type=cli.positive_int, default=1, help="data-parallel degree")
+PARSER.add_argument("--method", choices=METHODS, default="ring")
+PARSER.add_argument("--balance", choices=layout.BALANCES, default="zigzag")
+PARSER.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+PARSER.add_argument("--moe", action="store_true", help="MoE blocks: a routing group per cp rank")
+PARSER.add_argument("--microbatches", type=cli.positive_int, default=1)
+PARSER.add_argument("--batch", type=cli.positive_int, default=None,
+                    help="global batch B, a multiple of dp x microbatches (default 2 dp k)")  # fmt: skip
+cli.add_common(PARSER, model={"vocab": 32, "seq": 32, "d_model": 32, "heads": 8, "layers": 2},
+               steps=3)  # fmt: skip
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cp", type=int, default=4)
-    p.add_argument("--dp", type=int, default=1)
-    p.add_argument("--method", choices=METHODS, default="ring")
-    p.add_argument("--balance", choices=layout.BALANCES, default="zigzag")
-    p.add_argument("--seq", type=int, default=32, help="sequence length S")
-    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
-    p.add_argument("--moe", action="store_true", help="MoE blocks: a routing group per cp rank")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--microbatches", type=int, default=1)
-    return p.parse_args(argv)
+    """The flags (--seq is the sequence length S = T); bad values exit 2 with one line."""
+    a = cli.parse(PARSER, argv)
+    a.batch = a.batch or 2 * a.dp * a.microbatches
+    return a
 
 
 def attention_alone(cp_comm, method, b, S, H, A, balance, keep):
@@ -82,14 +88,13 @@ def attention_alone(cp_comm, method, b, S, H, A, balance, keep):
 
 def make_main(a):
     S, C, D, k = a.seq, a.cp, a.dp, a.microbatches
-    cfg = ModelConfig(vocab_size=32, max_seq_len=S, d_model=32, n_heads=8, n_layers=2, d_ff=64,
-                      n_experts=4 if a.moe else 0, moe_top_k=2)  # fmt: skip
-    B = 2 * D * k
+    cfg = ModelConfig(**cli.model_kwargs(a), d_ff=64, n_experts=4 if a.moe else 0, moe_top_k=2)
+    B = a.batch
     b, H, A, nl = B // (D * k), cfg.d_model, cfg.n_heads, cfg.n_layers
     methods = [m for m in METHODS if m != "ulysses" or A % C == 0]
 
     def batches(step):
-        return synthetic_batch(11, step, B, S, cfg.vocab_size)
+        return synthetic_batch(11 + a.seed, step, B, S, cfg.vocab_size)
 
     def main(comm) -> int:
         if comm.size != C * D:
@@ -98,9 +103,9 @@ def make_main(a):
         mesh = cp_mesh(comm, C)
         c, tab = mesh.coord("cp"), layout.table(S, C, a.balance)
         groups_fn = (lambda st, mb, bb, ss: routing_groups(bb, ss, tab)) if a.moe else None
-        ref = reference_train(cfg, 0, batches, a.steps, microbatches=D * k, groups_fn=groups_fn,
+        ref = reference_train(cfg, a.seed, batches, a.steps, microbatches=D * k, groups_fn=groups_fn,
                               recompute=a.recompute, max_norm=1.0)  # fmt: skip
-        run = cp_train(comm, cfg, 0, batches, a.steps, cp=C, method=a.method, balance=a.balance,
+        run = cp_train(comm, cfg, a.seed, progress(batches, a.steps), a.steps, cp=C, method=a.method, balance=a.balance,
                        microbatches=k, recompute=a.recompute, max_norm=1.0)  # fmt: skip
         worst, problems = compare_run(run, ref, 1e-12)
         want = cost.attention_bytes(a.method, b, S, H, A, C, 8)
@@ -126,12 +131,17 @@ def make_main(a):
             for x in failures:
                 print("MISMATCH:", x)
             attn = max(r[0] for e in every for r in e[2].values())
-            print(verdict(failures, f"cp={C} dp={D} {a.method} {a.balance}"
+            record(
+                attention_alone_max_diff=attn,
+                worst_vs_reference=worst,
+                block_activation_bytes={e[0]: sorted(set(e[4].values())) for e in every},
+            )
+            say_verdict(failures, f"cp={C} dp={D} {a.method} {a.balance}"
                           f"{' moe' if a.moe else ''} recompute={a.recompute}: loss/grads/params "
                           f"vs reference {max(worst.values()):.1e}; attention alone vs ops "
                           f"{attn:.1e} ({len(methods)} methods x 2 balancings x keep/recompute); "
                           f"bytes per layer fwd/bwd, ring work, attention cache and block "
-                          f"activations == formulas on {len(every)} ranks"))  # fmt: skip
+                          f"activations == formulas on {len(every)} ranks")  # fmt: skip
         return 0 if not problems else 1
 
     def check_alone(m, bal, keep, r, c, rank):
@@ -213,12 +223,23 @@ def _frac(n: int, unit: int) -> str:
 
 
 def check_args(a) -> None:
-    """Bad flags -> one clear line before any rank starts."""
-    layout.check(a.seq, a.cp, a.balance)
+    """The flags together -> a ValueError naming them, before any rank starts."""
+    try:
+        layout.check(a.seq, a.cp, a.balance)
+    except ValueError as e:
+        raise ValueError(
+            f"argument --seq {a.seq} / --cp {a.cp} / --balance {a.balance}: {e}"
+        ) from None
     if a.method == "ulysses":
-        check_heads(8, a.cp)
-    if a.dp < 1 or a.microbatches < 1 or a.steps < 1:
-        raise ValueError("--dp, --microbatches and --steps must be >= 1")
+        try:
+            check_heads(a.heads, a.cp)
+        except ValueError as e:
+            raise ValueError(f"argument --heads {a.heads} / --cp {a.cp} (ulysses): {e}") from None
+    if a.batch % (a.dp * a.microbatches):
+        dk = a.dp * a.microbatches
+        raise ValueError(f"argument --batch: {a.batch} is not a multiple of --dp {a.dp} x "
+                         f"--microbatches {a.microbatches} = {dk}; choose --batch "
+                         f"{dk * max(1, a.batch // dk)}")  # fmt: skip
 
 
 if __name__ == "__main__":
@@ -226,6 +247,6 @@ if __name__ == "__main__":
     try:
         check_args(args)
     except ValueError as e:
-        print(f"08_context_parallel.py: {e}", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(emulator.launch(make_main(args), world_size=args.cp * args.dp))
+        PARSER.error(str(e))
+    cli.check_world(PARSER, args.cp * args.dp, f"--cp {args.cp} x --dp {args.dp}")
+    sys.exit(run_example(make_main(args), args, world_size=args.cp * args.dp))

@@ -15,18 +15,22 @@ named f / g (enter / leave) at the call sites, the vocab-parallel embedding and 
 Every collective of a layer runs under the scope "tp/<layer>/mb<j>/<fwd|bwd>" (tp_train keeps
 its historical "<layer>/mb<j>/<fwd|bwd>", tag="").
 
-Slots for the layers still to come: `cp` (context-parallel attention, issue 13) and `ep`
-(expert-parallel MoE, issue 12) are groups the Layout refuses above 1 until wired. Their drop-ins
-(parallel/context/, parallel/expert/) plug in as ``attention=(forward, backward)`` and
-``moe=(forward, backward)``: passed to the blocks as emulator/block.py's ``attention=`` and
-``moe_fn=`` pairs (emulator's signatures; bind the group and extra arguments with
-functools.partial; parallel/context/ and parallel/expert/ build such pairs).
+Context parallelism (issue 13): ``cp`` is the cp group and ``positions`` the (C, S_local) table
+of every cp rank's global positions (parallel/context/layout.table, set per step by
+``set_positions``): the embedding takes the position rows of this rank's positions, attention is
+cp_attention on the cp group (under tp on this rank's heads), everything else runs on the local
+tokens unchanged. `ep` (expert-parallel MoE, issue 12) is a slot the Layout refuses above 1 until
+wired. The drop-ins (parallel/context/, parallel/expert/) plug in as ``attention=(forward,
+backward)`` and ``moe=(forward, backward)``: passed to the blocks as emulator/block.py's
+``attention=`` and ``moe_fn=`` pairs (emulator's signatures; bind the group and extra arguments
+with functools.partial; parallel/context/ and parallel/expert/ build such pairs).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 from emulator import scope
 from emulator.model import (
@@ -38,6 +42,7 @@ from emulator.model import (
     head_forward,
 )
 from parallel.check.routing import decisions
+from parallel.context.attention import cp_attention_backward, cp_attention_forward
 from parallel.pipeline.zero_bubble import block_backward_b, block_backward_w
 from parallel.tensor.block import tp_block_backward, tp_block_forward
 from parallel.tensor.vocab import (
@@ -53,22 +58,39 @@ class LayerContext:
     tp: object = None  # the tp group (a Comm) or None
     sp: bool = False  # sequence parallelism between the TP regions
     regather: bool = True  # SP: keep S/t slices, all-gather them again in the backward
-    cp: object = None  # slot: the context-parallel group (issue 13)
+    cp: object = None  # the context-parallel group (issue 13) or None
     ep: object = None  # slot: the expert-parallel group (issue 12)
     tag: str = "tp/"  # ledger scope prefix of the tp traffic ("" keeps tp_train's tags)
     # drop-ins for the two layers other axes cut (None = emulator.ops / emulator.moe): a pair
     # (forward, backward) with emulator's signatures, on this rank's local tensors
     attention: tuple | None = None  # (attention_forward, attention_backward): cp, issue 13
     moe: tuple | None = None  # (moe_forward, moe_backward): ep, issue 12 (single-rank block)
+    cp_method: str = "ring"  # cp attention: parallel/context/attention.METHODS
+    positions: object = None  # cp: the (C, S_local) table of every cp rank's global positions
+    act_bytes: dict | None = None  # a dict: each block's activation bytes after its forward
 
     def __post_init__(self):
         if self.tp is not None and self.tp.size == 1:
             self.tp, self.sp = None, False  # a group of one: the single-rank pieces (SP over
             # one rank cuts nothing; parallel.Layout refuses asking for it)
-        for k in ("cp", "ep"):
-            g = getattr(self, k)
-            if g is not None and g.size > 1:
-                raise ValueError(f"LayerContext: {k} > 1 is not wired in yet (issues 12/13)")
+        if self.cp is not None and self.cp.size == 1:
+            self.cp = None  # one cp rank holds the whole sequence: emulator's attention
+        if self.ep is not None and self.ep.size > 1:
+            raise ValueError("LayerContext: ep > 1 is not wired in yet (issue 12)")
+
+    def set_positions(self, table) -> None:
+        """cp: this step's (C, S_local) positions table; attention becomes cp_attention on the
+        cp group with it (S may change between steps, so the table is set per step)."""
+        if self.cp is None:
+            return
+        self.positions = table
+        fwd = functools.partial(cp_attention_forward, self.cp, positions=table,
+                                method=self.cp_method)  # fmt: skip
+        self.attention = (fwd, cp_attention_backward)
+
+    def local_positions(self):
+        """The global positions of this rank's tokens (None: all of 0..S-1, in order)."""
+        return None if self.cp is None else self.positions[self.cp.rank]
 
     @property
     def t(self) -> int:
@@ -93,9 +115,11 @@ class LayerContext:
 
     # ---- embedding and head: (B, S) ids -> (B, S_l, H) ... -> the CE sum / denom ------------
     def embed_forward(self, p, tokens):
+        pos = self.local_positions()  # cp: the rows of this rank's global positions
         if self.tp is None:
-            return embed_forward(p, tokens)
-        return vocab_embedding_forward(self.tp, tokens, p["embed.tok"], p["embed.pos"], sp=self.sp)
+            return embed_forward(p, tokens, pos)
+        return vocab_embedding_forward(self.tp, tokens, p["embed.tok"], p["embed.pos"], sp=self.sp,
+                                       positions=pos)  # fmt: skip
 
     def embed_backward(self, dx, cache) -> dict:
         if self.tp is None:
@@ -116,6 +140,12 @@ class LayerContext:
     # ---- one transformer block ------------------------------------------------------------
     def block_forward(self, bp, x, cfg, *, recompute="none", groups=None, mem=None, name="block"):
         """x (B, S_l, H) -> (x_out, cache); the MoE aux loss is cache["aux"]."""
+        out = self._block_forward(bp, x, cfg, recompute, groups, mem, name)
+        if self.act_bytes is not None and mem is not None:
+            self.act_bytes[name] = mem.nbytes("activations", name)
+        return out
+
+    def _block_forward(self, bp, x, cfg, recompute, groups, mem, name):
         if self.tp is None:
             kw = {"recompute": recompute, "groups": groups, "mem": mem, "name": name}
             return block_forward(bp, x, cfg, attention=self.attention, moe_fn=self.moe, **kw)

@@ -10,8 +10,9 @@ is a block of neighbouring global ranks (one node's NVLink domain), then cp, the
 Megatron-LM's and Llama 3's order [TP, CP, PP, DP] innermost-first (Dubey et al. 2024, "The
 Llama 3 Herd of Models", section 3.3.2): the axis with the most traffic per step (TP: four
 all-reduces of the hidden state per block) gets the fastest links, DP (one reduction per step,
-overlapped) the slowest. `cp` (issue 13, context parallelism) and `ep` (issue 12, expert
-parallelism) are slots: validated, refused above 1 until those layers are wired in.
+overlapped) the slowest. `cp` (issue 13, context parallelism): every sequence split over the cp
+ranks (`cp_balance` contiguous or zigzag), attention by `cp_method` (ring, all-gather, ulysses;
+parallel/context/). `ep` (issue 12, expert parallelism) is a slot: refused above 1 until wired.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from __future__ import annotations
 import dataclasses
 
 from emulator.mesh import Mesh
+from parallel.context.attention import METHODS
+from parallel.context.layout import BALANCES
+from parallel.context.layout import check as check_split
 from parallel.pipeline.schedules import SCHEDULES, make_schedule
 from parallel.pipeline.schedules import validate as validate_schedule
 
@@ -32,7 +36,9 @@ class Layout:
     dp: int = 1
     pp: int = 1
     tp: int = 1
-    cp: int = 1  # context parallelism: issue 13
+    cp: int = 1  # context parallelism: issue 13 (parallel/context/)
+    cp_method: str = "ring"  # cp attention: "ring" | "all-gather" | "ulysses"
+    cp_balance: str = "zigzag"  # cp sequence split: "zigzag" | "contiguous"
     ep: int = 1  # expert parallelism: issue 12
     zero: int = 0  # on the dp axis: 0 = DDP (replicated optimizer), 1/2/3 = ZeRO stage
     sequence_parallel: bool = False
@@ -77,10 +83,7 @@ class Layout:
         if world_size is not None and self.world != world_size:
             bad.append(f"dp*pp*cp*tp = {self.dp}*{self.pp}*{self.cp}*{self.tp} = {self.world} "
                        f"but the world has {world_size} ranks; {_fits(self, world_size)}")  # fmt: skip
-        if self.cp > 1:
-            bad.append(f"cp={self.cp}: context parallelism is not wired into parallel.train yet "
-                       f"(issue 13); use cp=1, or parallel/context/train.py's cp_train for "
-                       f"cp x dp")  # fmt: skip
+        bad += self._cp_problems()
         if self.ep > 1:
             bad.append(f"ep={self.ep}: expert parallelism is not wired into parallel.train yet "
                        f"(issue 12); use ep=1 (MoE experts replicated or split over tp like the "
@@ -127,6 +130,11 @@ class Layout:
                 divs = [d for d in range(1, n + 1) if n % d == 0]
                 bad.append(f"tp={t} does not divide {what}={n} (Megatron cuts it into equal "
                            f"parts); tp could be one of {divs}")  # fmt: skip
+        if self.cp > 1 and self.cp_method == "ulysses" and (cfg.n_heads // t) % self.cp:
+            bad.append(f"cp_method='ulysses': n_heads={cfg.n_heads // t} is not divisible by "
+                       f"cp={self.cp} (the heads per tp rank: n_heads={cfg.n_heads} / tp={t}); "
+                       f"every cp rank takes whole heads: use cp dividing {cfg.n_heads // t}, or "
+                       f"'ring' / 'all-gather'")  # fmt: skip
         if cfg.n_layers < self.virtual_stages:
             bad.append(f"pp*chunks = {self.pp}*{self.chunks} = {self.virtual_stages} virtual "
                        f"stages but the model has only {cfg.n_layers} blocks; every stage needs "
@@ -140,9 +148,29 @@ class Layout:
             bad.append(f"batch B={B} is not divisible by dp*microbatches = {self.dp}*"
                        f"{self.microbatches} = {per}; microbatches could be one of {fits}"
                        if fits else f"batch B={B} is not divisible by dp={self.dp}")  # fmt: skip
+        if S is not None and self.cp > 1 and self.cp_balance in BALANCES:
+            try:
+                check_split(S, self.cp, self.cp_balance)  # S into cp (zigzag: 2 cp) chunks
+            except ValueError as e:
+                bad.append(str(e))
         if S is not None and self.sequence_parallel and S % t:
             bad.append(f"sequence_parallel: S={S} is not divisible by tp={t}; use a sequence "
                        f"length that is a multiple of {t}")  # fmt: skip
+        return bad
+
+    def _cp_problems(self) -> list[str]:
+        """Context parallelism's own checks (the sequence length is checked with the batch)."""
+        bad = []
+        if self.cp_method not in METHODS:
+            bad.append(f"cp_method={self.cp_method!r}: choose one of {METHODS}")
+        if self.cp_balance not in BALANCES:
+            bad.append(f"cp_balance={self.cp_balance!r}: choose one of {BALANCES}")
+        if self.cp > 1 and self.sequence_parallel:
+            bad.append("cp > 1 with sequence_parallel: SP's S/t slices would have to be cut "
+                       "from the cp rank's (zigzag) positions; use one of the two")  # fmt: skip
+        if self.cp > 1 and self.schedule == "zb-h1":
+            bad.append("cp > 1 with zb-h1: the B/W split (parallel/pipeline/zero_bubble.py) "
+                       "runs emulator's own attention; use gpipe, 1f1b or interleaved")  # fmt: skip
         return bad
 
     def validate(self, world_size=None, cfg=None, batch=None) -> Layout:

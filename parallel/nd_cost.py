@@ -12,16 +12,23 @@ each, S the sequence; c the compute itemsize. A rank's share: its stage's parame
         all-reduce per layer of its partial gradients (parallel/tensor/sequence.partial_grad_names)
   pp    parallel/pipeline/cost.boundary_bytes for this stage, message b S_l H c (S_l = S/t with SP)
   clip  one float64 ring all-reduce per group of the norm (dp under ZeRO, tp, pp; size > 1)
+  cp    (context parallelism, C = cp) per micro-batch and block of the stage: parallel/context/
+        cost.attention_bytes of the method on b sequences of S, the rank's H/t width and A/t
+        heads (twice the forward under full recompute). Every other axis sees a cp rank as C
+        times the dp ranks with S/C tokens: its formulas run with D C dp ranks (grads summed
+        over dp x cp), B C sequences of S/C positions (b per micro-batch): the same bytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
 from collectives import cost
 from emulator.config import param_shapes
 from emulator.precision import arith_dtype, compute_dtype, master_dtype
+from parallel.context import cost as cp_cost
 from parallel.data.axis import layer_of, layer_units
 from parallel.data.cost import static_memory
 from parallel.data.cost import step_bytes as dp_step_bytes
@@ -54,7 +61,9 @@ def dp_layouts(cfg, layout, s: int) -> list:
 
 
 def rank_bytes(cfg, layout, B: int, S: int, coords: dict) -> dict:
-    """{"dp", "tp", "pp", "clip": bytes sent per step} for the rank at ``coords``."""
+    """{"dp", "tp", "pp", "clip": bytes sent per step} for the rank at ``coords`` (+ "cp")."""
+    if layout.cp > 1:
+        return _cp_rank_bytes(cfg, layout, B, S, coords)
     s, tr, t, D, m = coords["pp"], coords["tp"], layout.tp, layout.dp, layout.microbatches
     c, b = compute_dtype(cfg.dtype).itemsize, B // (D * m)
     names = list(local_shapes(cfg, layout, s))
@@ -85,10 +94,31 @@ def rank_bytes(cfg, layout, B: int, S: int, coords: dict) -> dict:
     return {"dp": dp, "tp": tp, "pp": pp, "clip": clip}
 
 
+def _as_dp(layout):
+    """Under cp, the layout the data axis sees: DDP / ZeRO run on the dp x cp group."""
+    return dataclasses.replace(layout, dp=layout.dp * layout.cp, cp=1) if layout.cp > 1 else layout
+
+
+def _cp_rank_bytes(cfg, layout, B: int, S: int, coords: dict) -> dict:
+    """rank_bytes under cp = C: the other axes as a dp x cp = D C data axis on S/C tokens (its
+    group rank d C + c, Mesh.group("dp", "cp")), plus the attention bytes on the cp axis."""
+    C, t, m = layout.cp, layout.tp, layout.microbatches
+    flat = _as_dp(layout)
+    out = rank_bytes(cfg, flat, B * C, S // C, dict(coords, dp=coords["dp"] * C + coords["cp"]))
+    x = compute_dtype(cfg.dtype)
+    b, H, A = B // (layout.dp * m), cfg.d_model // t, cfg.n_heads // t  # the rank's heads
+    per = cp_cost.attention_bytes(layout.cp_method, b, S, H, A, C, x.itemsize,
+                                  arith_dtype(x).itemsize)  # fmt: skip
+    blocks = {layer_of(n) for n in local_shapes(cfg, layout, coords["pp"]) if n[:7] == "blocks."}
+    fwd = per["forward"] * (2 if layout.recompute == "full" else 1)  # full: forward again
+    return out | {"cp": len(blocks) * m * (fwd + per["backward"])}
+
+
 def rank_static_memory(cfg, layout, s: int) -> dict:
     """Bytes per category of the state that lives for the whole run, rank of stage s:
     parallel/data/cost.static_memory on its local shard (dp = 1 and zero 0: plain AdamW, the
-    gradients unpadded: Psi c)."""
+    gradients unpadded: Psi c). cp > 1: the dp axis is dp x cp (_as_dp)."""
+    layout = _as_dp(layout)
     shapes = local_shapes(cfg, layout, s)
     n = sum(math.prod(x) for x in shapes.values())
     if layout.zero == 0 and layout.dp == 1:
@@ -105,7 +135,8 @@ def rank_peak_memory(cfg, layout, s: int) -> dict:
     the gathered units - with reshard_after_forward one at a time, or with prefetch a layer and
     the next one of the same action (a chunk's layers, forward or backward order); without it
     a unit stays gathered from a forward until the next backward of its layer frees it, so the
-    peak follows the schedule (_replay_no_reshard)."""
+    peak follows the schedule (_replay_no_reshard). cp > 1: the dp axis is dp x cp."""
+    layout = _as_dp(layout)
     static = rank_static_memory(cfg, layout, s)
     peak = {"params": static["params"], "grads": static["grads"]}
     if layout.zero < 2:

@@ -17,8 +17,12 @@ the MoE aux weighted by the micro-batch's share of the step's routing groups (do
 gradients are summed over micro-batches, dp, and (SP-partial ones) tp.
 Clipping: the global norm's squares are reduced over dp (ZeRO shards), tp (weights 1/t for the
 tensors replicated over tp) and pp, in that order (parallel/clip.py).
+Context parallelism (cp > 1): every micro-batch cut to the cp rank's columns (parallel/context/
+layout.py), the layer context given the positions table each step (embed rows, cp attention),
+DP / ZeRO on the dp x cp group, C routing groups per micro-batch (each cp rank's tokens).
 Ledger tags, one prefix per axis: dp/grads*, dp/params*, dp/clip; tp/<layer>/mb<j>/<fwd|bwd>,
-tp/sp-grads/<layer>/mb<j>; pp/act/mb<j>, pp/grad/mb<j>. parallel/nd_cost.py has the formulas.
+tp/sp-grads/<layer>/mb<j>; pp/act/mb<j>, pp/grad/mb<j>; cp: any tag containing cp-attn/.
+parallel/nd_cost.py has the formulas.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from emulator.data import shard_batch, split_microbatches
 from emulator.guards import check_finite, check_training
 from emulator.model import check_inputs, init_params
 from emulator.precision import compute_dtype
+from parallel.context.layout import table
 from parallel.data.axis import DataAxis
 from parallel.layer import LayerContext
 from parallel.pipeline.executor import run_schedule, split_layers, stage_param_names
@@ -40,6 +45,7 @@ from parallel.tensor.shard import shard, unshard
 from parallel.tensor.train import replica_mismatch
 
 AXIS_TAGS = {"dp": ("dp/grads", "dp/params"), "tp": ("tp/",), "pp": ("pp/",), "clip": ("dp/clip",)}
+CP_TAG = "cp-attn/"  # cp attention traffic, tagged inside the layer's scope (tp/... under tp)
 
 
 @dataclasses.dataclass
@@ -60,16 +66,21 @@ class NDRun:
     layouts: list  # the dp flat buffers (DDP buckets, ZeRO buckets or per-layer units)
     mesh: str  # Mesh.describe()
     replica_mismatch: list  # "param/grad <name>" of tp-replicated tensors whose copies differ
+    act_bytes: dict = dataclasses.field(default_factory=dict)  # per block: bytes after forward
+    positions: object = None  # cp: the last step's (C, S_local) positions table
 
 
 def axis_bytes(ledger, records) -> dict:
     """Bytes this rank sent in ``records``, by axis (the tag prefixes of AXIS_TAGS); traffic
     under no axis's tag - none in a correct run - is added as "untagged"."""
     out, other = dict.fromkeys(AXIS_TAGS, 0), 0
+    cp = any(CP_TAG in r.tag for r in records)
+    out |= {"cp": 0} if cp else {}
     for r in records:
         if r.direction != "send":
             continue
-        axis = next((a for a, pre in AXIS_TAGS.items() if r.tag.startswith(pre)), None)
+        axis = "cp" if cp and CP_TAG in r.tag else None
+        axis = axis or next((a for a, pre in AXIS_TAGS.items() if r.tag.startswith(pre)), None)
         if axis is None:
             other += r.nbytes
         else:
@@ -90,6 +101,14 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
     layout.validate(comm.world_size, cfg, check_inputs(*get(0), cfg)[0].shape)
     mesh = layout.mesh(comm)
     dp, pp, tp, m = mesh["dp"], mesh["pp"], mesh["tp"], layout.microbatches
+    C = layout.cp
+    if C > 1 and groups_fn is not None:
+        raise ValueError("parallel.train: under cp > 1 each cp rank's tokens of a micro-batch "
+                         "are one MoE routing group; pass groups_fn only to the reference "
+                         "(parallel.context.train.routing_groups)")  # fmt: skip
+    # cp: each cp rank holds other tokens of the same sequences, so for the weights cp is more
+    # data parallelism: DDP / ZeRO act on the dp x cp group (Megatron-LM's dp-cp group)
+    data = mesh.group("dp", "cp") if C > 1 else dp
     D, r, t = dp.size, dp.rank, tp.size
     sched = make_schedule(layout.schedule, pp.size, m, layout.chunks)
     split = split_layers(cfg.n_layers, pp.size * sched.v, sizes)
@@ -97,11 +116,12 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
     plan = megatron_plan(cfg)
     full = init_params(cfg, seed) if params is None else params
     master = shard({n: full[n] for n in names}, plan, tp.rank, t)  # this rank's copies
-    ctx = LayerContext(tp=tp, sp=layout.sequence_parallel, regather=layout.regather)
+    ctx = LayerContext(tp=tp, sp=layout.sequence_parallel, regather=layout.regather,
+                       cp=mesh["cp"], cp_method=layout.cp_method, act_bytes={})  # fmt: skip
     mem = comm.memory
     mem.reset_peak()
     axis = DataAxis(
-        dp, master, layout.zero, cfg, hyper={"lr": lr, "betas": betas, "eps": eps,
+        data, master, layout.zero, cfg, hyper={"lr": lr, "betas": betas, "eps": eps,
         "weight_decay": weight_decay}, max_norm=max_norm, norm_groups=(tp, pp),
         norm_weights={n: 1.0 / t for n in names if not plan[n].sharded} if t > 1 else None,
         bucket_cap_mb=layout.bucket_cap_mb, reshard_after_forward=layout.reshard_after_forward,
@@ -109,7 +129,7 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
     )  # fmt: skip
     try:
         run = NDRun(layout, dict(mesh.coords), [], [], {}, {}, {}, {}, [], {}, split, [], 0,
-                    axis.layouts, mesh.describe(), [])  # fmt: skip
+                    axis.layouts, mesh.describe(), [], ctx.act_bytes)  # fmt: skip
         for step in range(steps):
             comm.ledger.step = step
             tokens, targets = check_inputs(*get(step), cfg)
@@ -120,11 +140,13 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
             b, S = mbs[0][0].shape
             groups = [groups_fn(step, g, b, S) if groups_fn else None for g in range(D * m)]
             n_groups = [1 if g is None else len(g) for g in groups]
+            if C > 1:  # this cp rank's columns: C routing groups per micro-batch, one of them here
+                mbs = _cp_columns(ctx, run, mbs, S, C, layout.cp_balance)
             axis.begin_step()
             mark = comm.ledger.mark()
             _, loss, done, peak = run_schedule(
                 pp, sched, split, None, mbs, cfg, ce_denom=tokens.size,
-                aux_scales=[n_groups[r * m + j] / sum(n_groups) for j in range(m)],
+                aux_scales=[n_groups[r * m + j] / (sum(n_groups) * C) for j in range(m)],
                 groups=groups[r * m : (r + 1) * m], recompute=layout.recompute, mem=mem,
                 ctx=ctx, hooks=axis, dtype=compute_dtype(cfg.dtype),
             )  # fmt: skip
@@ -132,7 +154,7 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
             run.step_bytes.append(axis_bytes(comm.ledger, comm.ledger.since(mark)))
             # the global loss: stage shares summed over pp, then dp (uncounted control plane)
             share = sum(pp.allgather_object(loss), 0.0)
-            run.losses.append(sum(dp.allgather_object(share), 0.0))
+            run.losses.append(sum(data.allgather_object(share), 0.0))  # dp (x cp)
             # every rank holds the same global loss and norm: all raise at the same step
             check_finite(step, rank=comm.rank, loss=run.losses[-1], grad_norm=run.grad_norms[-1],
                          where="parallel.train")  # fmt: skip
@@ -151,6 +173,15 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
         return run
     finally:  # free what this run allocated, even on an error: another run may follow
         axis.close()
+
+
+def _cp_columns(ctx, run, mbs, S: int, C: int, balance: str) -> list:
+    """Context parallelism: this step's positions table (parallel/context/layout.py) into the
+    layer context, and each micro-batch cut to this cp rank's columns (B, S/C), copied."""
+    run.positions = table(S, C, balance)
+    ctx.set_positions(run.positions)
+    mine = run.positions[ctx.cp.rank]
+    return [(t[:, mine].copy(), y[:, mine].copy()) for t, y in mbs]
 
 
 def _sp_partial(tp):

@@ -5,7 +5,9 @@
 
 strategies.py   world sizes, meshes, uneven lengths, model configs, batches, routing groups,
                 pipeline schedules (built-in and random valid action lists)
-assertions.py   check_layout / assert_matches_reference (every rank vs the single-rank
+layouts.py      N-D layouts for parallel.train: valid by construction, and invalid ones with
+                the reason they must be refused
+assertions.py   check_layout(Layout or your train function) / assert_matches_reference (every rank vs the single-rank
                 reference), assert_bytes (per scope tag, exact), assert_memory (per category)
 world.py        the `virtual_world` pytest fixture and the @on_virtual_ranks(n) decorator
 Load the fixture with `pytest_plugins = ["parallel.testing.world"]` in your conftest.py.

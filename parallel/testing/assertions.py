@@ -17,12 +17,16 @@ failure names the rank, the tensor, its max difference and its worst entries.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import functools
 
 import emulator
 from emulator.check import compare_run
 from emulator.data import synthetic_batch
 from emulator.reference import reference_train
+from parallel.layout import Layout
+from parallel.train import train
 
 OPTIM = ("lr", "betas", "eps", "weight_decay", "max_norm")
 SHOW = 6  # problems listed per rank: the first ones name where to look
@@ -41,15 +45,34 @@ def assert_matches_reference(run, ref, *, rtol: float = 1e-12, rank=None,
     return worst
 
 
-def check_layout(train_fn, cfg, world_size: int, *, steps: int = 2, batch: int | None = None,
-                 seq: int | None = None, seed: int = 0, data_seed: int = 1,
-                 ref_microbatches: int = 1, rtol: float = 1e-12, timeout: float = 60,
-                 **optim) -> dict:  # fmt: skip
-    """Run `train_fn(comm, cfg, seed, batches, steps, **optim)` on `world_size` virtual ranks
-    and compare every rank's run with reference_train(cfg, seed, batches, steps,
-    microbatches=ref_microbatches, **optim). `batches(step)` -> the global (tokens, targets)
-    of the synthetic task (B = batch, default 2 x world_size; S = seq, default max_seq_len).
-    -> the worst figures over all ranks {"loss", "grad", "param"}."""
+def check_layout(layout_or_fn, cfg, world_size: int | None = None, *, steps: int = 2,
+                 batch: int | None = None, seq: int | None = None, seed: int = 0,
+                 data_seed: int = 1, ref_microbatches: int = 1, rtol: float = 1e-12,
+                 timeout: float = 60, **optim) -> dict:  # fmt: skip
+    """Run a layout on virtual ranks and compare every rank's run with reference_train(cfg,
+    seed, batches, steps, microbatches=ref_microbatches, **optim), where `batches(step)` ->
+    the global (tokens, targets) of the synthetic task (B = batch, default 2 x world_size;
+    S = seq, default max_seq_len). -> the worst figures over all ranks {"loss", "grad", "param"}.
+
+    layout_or_fn: a `parallel.Layout` (trained by `parallel.train` on layout.world ranks, in
+    layout.dtype, against the reference with dp x micro-batches micro-batches; its
+    tp-replicated copies must agree bitwise too), or your own
+    `train_fn(comm, cfg, seed, batches, steps, **optim)` on `world_size` ranks."""
+    if isinstance(layout_or_fn, Layout):
+        layout = layout_or_fn
+        if world_size not in (None, layout.world):
+            raise ValueError(f"check_layout: world_size={world_size} but {layout} needs "
+                             f"{layout.world} ranks; leave world_size out")  # fmt: skip
+        if layout.dtype != "float64" and rtol == 1e-12:
+            raise ValueError(f"check_layout: {layout.dtype} needs its own tolerance; pass rtol "
+                             f"(parallel/check/ has the measured rules)")  # fmt: skip
+        cfg = dataclasses.replace(cfg, dtype=layout.dtype)
+        train_fn = functools.partial(_train_layout, layout)
+        world_size, ref_microbatches = layout.world, layout.dp * layout.microbatches
+    elif world_size is None:
+        raise TypeError("check_layout: give world_size with a train function")
+    else:
+        train_fn = layout_or_fn
     if unknown := sorted(set(optim) - set(OPTIM)):
         raise TypeError(f"check_layout: unknown optimizer settings {unknown}; use {OPTIM}")
     if steps < 1:
@@ -75,6 +98,13 @@ def check_layout(train_fn, cfg, world_size: int, *, steps: int = 2, batch: int |
     if failures:
         raise AssertionError("\n".join(failures))
     return worst
+
+
+def _train_layout(layout, comm, cfg, seed, batches, steps, **optim):
+    run = train(comm, layout, cfg, batches, steps, seed, **optim)
+    if run.replica_mismatch:  # tp-replicated copies must be the same bits on every tp rank
+        raise AssertionError(f"rank {comm.rank}: tp replicas differ: {run.replica_mismatch}")
+    return run
 
 
 def _tagged(ledger, direction: str, op, records=None) -> dict[str, int]:

@@ -6,13 +6,14 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-import emulator
+from parallel.testing import run_on_virtual_ranks
+from parallel.testing import strategies as dst
 
 DTYPES = (np.float32, np.float64, np.int64)
 SETTINGS = settings(
     max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
-world_sizes = st.integers(1, 16)
+world_sizes = dst.world_sizes(1, 16)  # the kit's, as a user's test draws them
 lengths = st.integers(0, 40)
 dtypes = st.sampled_from(DTYPES)
 
@@ -26,7 +27,7 @@ def inputs(p: int, shape, dtype, seed: int = 0) -> list[np.ndarray]:
 
 
 def run(fn, p: int, *args, **kw):
-    return emulator.spawn(fn, p, *args, timeout=20, **kw)
+    return run_on_virtual_ranks(p, fn, *args, timeout=20, **kw)
 
 
 def assert_close(got, want, p: int = 1, what: str = "") -> None:

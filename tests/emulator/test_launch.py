@@ -34,6 +34,9 @@ SCRIPT = textwrap.dedent(
         if mode == "hang":
             if r == 0:
                 comm.recv(1, shape=1, dtype=np.int64)
+        if mode == "stray":
+            if r == 0:
+                comm.send(np.ones(2), 1)  # never received
         return 0
 
     sys.exit(emulator.launch(main, world_size=3, timeout=2))
@@ -81,6 +84,13 @@ def test_runner_reports_the_original_exception(script):
     assert out.returncode != 0
     assert "RuntimeError: rank one exploded" in out.stderr
     assert "raised on virtual rank 1 of 3" in out.stderr
+
+
+def test_runner_reports_an_unreceived_message(script):
+    out = run([sys.executable, "-m", "emulator", "run", "-n", "3", str(script), "stray"])
+    assert out.returncode != 0
+    assert "UnreceivedMessage: the run ended with message(s) sent but never received" in out.stderr
+    assert "rank 0 -> rank 1 in group 'world', point-to-point: 16 bytes (float64[2])" in out.stderr
 
 
 def test_runner_rejects_zero_ranks(script):

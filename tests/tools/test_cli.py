@@ -91,6 +91,29 @@ CASES = [
     ([*PY, EX["05"], "--pp", "0"], ["--pp", "got 0", ">= 1"]),
     ([*PY, EX["05"], "--max-norm", "nan"], ["--max-norm", "nan", "finite"]),
     ([*EMU, "run", "-n", "4", EX["05"], "--pp", "2"], ["--pp 2", "needs 2 ranks", "has 4"]),
+    ([*PY, EX["06"], "--zero", "4"], ["--zero", "4", "choose from"]),
+    ([*PY, EX["06"], "--tp", "0"], ["--tp", "got 0", ">= 1"]),
+    ([*PY, EX["06"], "--prefetch"], ["--prefetch", "no effect", "--zero 1"]),
+    ([*PY, EX["06"], "--chunks", "2"], ["--chunks", "2", "interleaved"]),
+    ([*PY, EX["06"], "--tp", "1", "--sequence-parallel"], ["--sequence-parallel", "--tp 1"]),
+    ([*PY, EX["06"], "--batch", "10"], ["--batch", "10", "--microbatches 4 = 8"]),
+    ([*PY, EX["06"], "--heads", "3"], ["--d-model", "16", "--heads 3"]),
+    ([*PY, EX["06"], "--seed", "x"], ["--seed", "'x'", ">= 0"]),
+    ([*EMU, "run", "-n", "4", EX["06"]], ["--tp 2", "needs 8 ranks", "has 4"]),
+    ([*PY, EX["07"], "--ep", "3"], ["--ep", "ep=3", "divide the 4", "[1, 2, 4]"]),
+    ([*PY, EX["07"], "--top-k", "9"], ["--top-k", "9", "1..E=8"]),
+    ([*PY, EX["07"], "--experts", "6"], ["--experts 6", "ep=4", "[1, 2, 3, 6]"]),
+    ([*PY, EX["07"], "--capacity-factor", "0"], ["--capacity-factor", "got 0", "> 0"]),
+    ([*PY, EX["07"], "--batch", "10"], ["--batch 10", "D=4", "multiple of 8"]),
+    ([*EMU, "run", "-n", "4", EX["07"], "--dp", "2"], ["--dp 2 x --ep 4", "needs 8", "has 4"]),
+    ([*PY, EX["08"], "--cp", "3", "--seq", "20"], ["--seq 20", "--cp 3", "divisible by 6"]),
+    (
+        [*PY, EX["08"], "--cp", "3", "--seq", "24", "--method", "ulysses"],
+        ["--heads 8", "--cp 3", "not divisible"],
+    ),
+    ([*PY, EX["08"], "--batch", "3", "--dp", "2", "--cp", "2"], ["--batch", "3", "= 2"]),
+    ([*PY, EX["08"], "--microbatches", "0"], ["--microbatches", "got 0", ">= 1"]),
+    ([*EMU, "run", "-n", "2", EX["08"], "--cp", "4"], ["--cp 4", "needs 4 ranks", "has 2"]),
 ]
 
 
@@ -146,6 +169,14 @@ needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip i
 @needs_mpi
 def test_under_mpiexec_a_bad_value_is_printed_once():
     assert_one_clean_line(run([MPIEXEC, "-n", "3", *PY, EX["02"], "--steps", "0"]), ["--steps"])
+
+
+@needs_mpi
+@pytest.mark.parametrize("ex, bad, flag", [("06", ["--zero", "1", "--prefetch"], "--prefetch"),
+                                           ("07", ["--ep", "3"], "--ep"),
+                                           ("08", ["--cp", "3", "--seq", "20"], "--seq 20")])  # fmt: skip
+def test_under_mpiexec_a_bad_value_of_06_07_08_is_printed_once(ex, bad, flag):
+    assert_one_clean_line(run([MPIEXEC, "-n", "4", *PY, EX[ex], *bad]), [flag])
 
 
 @needs_mpi
