@@ -99,3 +99,20 @@ def test_a_layout_that_does_not_fit_is_refused_by_name():
         dry_nd(cfg_of(), Layout(tp=3), 2, 8)
     with pytest.raises(ValueError, match="virtual stages but the model has only 4 blocks"):
         dry_nd(cfg_of(), Layout(pp=8), 8, 8)
+
+
+@pytest.mark.parametrize(
+    "lay",
+    [
+        Layout(dp=2, cp=2, tp=2, dtype="mixed"),
+        Layout(cp=2, pp=2, microbatches=2, zero=1, dtype="mixed"),
+        Layout(dp=2, cp=2, cp_method="ulysses", cp_balance="contiguous", zero=2),
+    ],
+    ids=str,
+)
+def test_context_parallel_layouts_of_parallel_train(lay):
+    # one representative per (stage, cp rank): cp ranks hold different parts of the sequence
+    real = assert_dry_equals_real(cfg_of(), lay, B=lay.dp * lay.microbatches * 2)
+    assert len(representatives(lay)) == lay.pp * lay.cp
+    for r in range(lay.world):
+        assert role_figures(real[r]) == role_figures(real[representative(lay, r)]), r
