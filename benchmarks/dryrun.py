@@ -1,64 +1,82 @@
-"""Benchmark (not a test): dry runs of real layouts at real model sizes, one rank each.
+"""Benchmark (not a test): dry runs of real layouts at real model sizes through parallel.train.
 
     python -m emulator bench dryrun [--quick]
 
-Each row runs one optimizer step of the layout's training code for one representative rank
-(rank 0) on shape-only arrays (planning/dryrun.py) and prints the wall time, the peak resident
-memory of this process so far (it only grows: rows run in order) and the ledger's figures. The
-model is this project's GPT block at the preset's shape (its own parameter count, printed).
-Wall time on a loaded 2-core machine includes waiting for a core; CPU time is printed beside it.
+Each row runs one optimizer step of the one N-D program (parallel.train) on shape-only arrays
+for every representative rank of the layout (planning/nd_dryrun.py: one per pipeline stage, each
+standing for its dp x tp ranks; --workers processes, default 2, one per core) and prints the
+row's wall seconds, the CPU seconds of all its ranks together (each measured in the worker that
+ran it), the peak resident memory so far of this process and its workers (it only grows: rows
+run in order), the worst representative's ledgered state / activations / bytes sent, and
+whether every representative's bytes per axis and memory peaks equal parallel/nd_cost.py's
+closed forms. The model is this project's GPT block at the preset's shape (its own parameter
+count, printed by `dryrun`). Wall time on a loaded 2-core machine includes waiting for a core;
+CPU time is printed beside it.
 """
 
 from __future__ import annotations
 
 import argparse
-import resource
 import time
 
 from emulator.ledger import format_table
+from parallel.layout import Layout
 from planning import presets
-from planning.dryrun import Layout, dry_layout
+from planning.nd_dryrun import cpu_seconds, dry_nd, peak_rss_mib
+from planning.nd_report import check_all
 
 GIB = 2**30
+MIXED = {"dtype": "mixed"}
 CASES = [
-    ("llama2-70b", Layout(dp=8, zero=0)),
-    ("llama2-70b", Layout(dp=8, zero=1)),
-    ("llama2-70b", Layout(dp=8, zero=2)),
-    ("llama2-70b", Layout(dp=8, zero=3)),
-    ("llama2-70b", Layout(dp=64, zero=3)),
-    ("llama2-70b", Layout(dp=512, zero=3)),
-    ("llama2-70b", Layout(dp=8, tp=8, sp=True)),
-    ("llama2-70b", Layout(dp=8, pp=8, zero=1, microbatches=8)),
-    # Llama 3's 16,384-GPU layout is tp 8 x pp 16 x dp 128; tp x pp together needs the N-D
-    # driver (parallel.train), so this row runs its pp 16 x dp 128 part (2,048 ranks)
-    ("llama3-405b", Layout(dp=128, pp=16, zero=1, microbatches=16)),
+    ("llama2-70b", Layout(dp=8, zero=0, **MIXED)),
+    ("llama2-70b", Layout(dp=8, zero=1, **MIXED)),
+    ("llama2-70b", Layout(dp=8, zero=2, **MIXED)),
+    ("llama2-70b", Layout(dp=8, zero=3, **MIXED)),
+    ("llama2-70b", Layout(dp=64, zero=3, **MIXED)),
+    ("llama2-70b", Layout(dp=512, zero=3, **MIXED)),
+    ("llama2-70b", Layout(dp=8, tp=8, zero=1, sequence_parallel=True, **MIXED)),
+    ("llama2-70b", Layout(dp=8, pp=8, zero=1, microbatches=8, **MIXED)),
+    ("llama2-70b", Layout(dp=4, pp=4, tp=8, zero=1, microbatches=4, **MIXED)),
+    # Llama 3's 16,384-GPU layout (Dubey et al. 2024, section 3.3.2): tp 8 x pp 16 x dp 128,
+    # 16 sequences of 8192 per dp rank (2,048 x 8,192 = 16M tokens per step)
+    ("llama3-405b", Layout(dp=128, pp=16, tp=8, zero=1, microbatches=16, **MIXED)),
 ]
-QUICK = [CASES[3], CASES[6]]
+QUICK = [CASES[3], CASES[8]]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m emulator bench dryrun", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="two rows only")
     ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=2, help="processes running representatives")
     a = ap.parse_args(argv)
     rows = []
     for name, lay in QUICK if a.quick else CASES:
         p = presets.get(name)
-        cfg = p.model_config()
-        t0, c0 = time.perf_counter(), time.process_time()
-        fig = dry_layout(cfg, lay, lay.dp * a.micro_batch * lay.microbatches, p.seq, [0])[0]
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        peak = fig["figures"]["memory"]["peak"]
-        sent = sum(n for k, n in fig["figures"]["bytes"].items() if k[3] == "send")
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        axes = f"dp={lay.dp} tp={lay.tp} pp={lay.pp} z{lay.zero}"
-        rows.append([name, axes, lay.size, f"{wall:.1f}", f"{cpu:.1f}", f"{rss:.0f}",
-                     f"{sum(peak[c] for c in ('params', 'grads', 'optimizer')) / GIB:.1f}",
-                     f"{peak['activations'] / GIB:.1f}", f"{sent / GIB:.1f}"])  # fmt: skip
-    print(format_table(["preset", "layout", "ranks", "wall s", "cpu s", "peak RSS MiB",
-                        "state GiB", "activ GiB", "sent GiB"], rows))  # fmt: skip
-    print("one step, rank 0 only, shape-only arrays; state = params + grads + optimizer peaks as "
-          "the driver ledgers them (the tp / pp drivers ledger activations and dp buckets only)")  # fmt: skip
+        cfg, B = p.model_config(), lay.dp * a.micro_batch * lay.microbatches
+        t0 = time.perf_counter()
+        runs = dry_nd(cfg, lay, B, p.seq, workers=a.workers)
+        wall, cpu = time.perf_counter() - t0, cpu_seconds(runs)
+        peaks = [v["figures"]["run_memory"]["peak"] for v in runs.values()]
+        state = max(sum(pk[c] for c in ("params", "grads", "optimizer")) for pk in peaks)
+        act = max(pk["activations"] for pk in peaks)
+        sent = max(sum(v["figures"]["axes"].values()) for v in runs.values())
+        equal = not any(check_all(cfg, lay, B, p.seq, runs).values())
+        axes = " x ".join(
+            f"{k}{getattr(lay, k)}" for k in ("dp", "pp", "tp") if getattr(lay, k) > 1
+        )
+        axes += f" z{lay.zero}" + (" sp" if lay.sequence_parallel else "")
+        rows.append([name, axes, lay.world, len(runs), f"{wall:.1f}", f"{cpu:.1f}",
+                     f"{peak_rss_mib():.0f}", f"{state / GIB:.1f}", f"{act / GIB:.1f}",
+                     f"{sent / GIB:.1f}", "equal" if equal else "DIFFERENT"])  # fmt: skip
+        print(" | ".join(map(str, rows[-1])), flush=True)
+    print()
+    print(format_table(["preset", "layout", "ranks", "ran", "wall s", "cpu s", "peak RSS MiB",
+                        "state GiB", "activ GiB", "sent GiB", "= nd_cost"], rows))  # fmt: skip
+    print("one step of parallel.train per representative rank (ran: how many), shape-only arrays; "
+          "GiB: the worst representative's ledger peaks, per GPU; sent: bytes one rank sent in "
+          "the step; = nd_cost: every representative's bytes per axis and memory peaks equal "
+          "parallel/nd_cost.py's closed forms")  # fmt: skip
     return 0
 
 

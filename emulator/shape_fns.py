@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 
 import numpy as np
 
@@ -178,15 +179,36 @@ class ShapeRNG:
         return ShapeArray.new((x,) if np.isscalar(x) else x.shape, np.int64)
 
 
-def _creator(dtype_default):
+def _creator(dtype_default, real=None):
+    """np.zeros / np.ones (``real`` the original) keep small integer tables real (SMALL_TABLE:
+    their values are known); np.empty's never are, everything else is shape-only."""
+
     def make(shape, dtype=dtype_default, *args, **kw):
-        return ShapeArray.new(shape, dtype if dtype is not None else np.float64)
+        dt = np.dtype(dtype if dtype is not None else np.float64)
+        n = math.prod((shape,) if np.isscalar(shape) else shape)
+        if real is not None and dt.kind in "biu" and n <= SMALL_TABLE:
+            return real(shape, dt, *args, **kw)
+        return ShapeArray.new(shape, dt)
 
     return make
 
 
 def _full(shape, fill_value, dtype=None, *args, **kw):
-    return ShapeArray.new(shape, dtype if dtype is not None else _ASARRAY(fill_value).dtype)
+    dt = np.dtype(dtype if dtype is not None else _ASARRAY(fill_value).dtype)
+    if dt.kind in "biu" and not isinstance(fill_value, np.ndarray):
+        n = math.prod((shape,) if np.isscalar(shape) else shape)
+        if n <= SMALL_TABLE:  # a small integer table of a known value: data-independent, real
+            return _FULL(shape, fill_value, dt, *args, **kw)
+    return ShapeArray.new(shape, dt)
+
+
+# np.full / zeros / ones of an integer or bool dtype with a concrete fill and at most this many
+# elements stay real arrays: such tables are bookkeeping the code reads back (parallel/expert's
+# padded dispatch fills its (P, El) row counts with the capacity, np.full((P, El), C), and offsets
+# them from np.zeros((1, El), np.int64)); shape-only they would read as zeros. Their values are
+# known without data, so keeping them real is exact.
+SMALL_TABLE = 4096
+_FULL = np.full
 
 
 def _converter(original, name: str):
@@ -210,7 +232,11 @@ def shape_only():
                                          "ascontiguousarray", "asanyarray")}  # fmt: skip
     saved_rng = np.random.default_rng
     try:
-        np.zeros = np.empty = np.ones = _creator(np.float64)
+        np.empty = _creator(np.float64)
+        np.zeros, np.ones = (
+            _creator(np.float64, saved["zeros"]),
+            _creator(np.float64, saved["ones"]),
+        )
         np.full = _full
         for n in ("asarray", "array", "ascontiguousarray", "asanyarray"):
             setattr(np, n, _converter(saved[n], n))

@@ -21,6 +21,7 @@ it is active, so code that allocates runs unchanged. Unsupported functions raise
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -29,7 +30,8 @@ import numpy as np
 _ZEROS, _ASARRAY = np.zeros, np.asarray
 
 
-def c_strides(shape, itemsize: int) -> tuple:
+@functools.lru_cache(maxsize=4096)  # shapes repeat: every layer and micro-batch has the same
+def c_strides(shape: tuple, itemsize: int) -> tuple:
     out, acc = [], itemsize
     for n in reversed(shape):
         out.append(acc)
@@ -44,14 +46,17 @@ class ShapeArray(np.ndarray):
 
     @classmethod
     def new(cls, shape, dtype=np.float64) -> ShapeArray:
-        shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape):
+        try:
+            shape = tuple(map(int, shape))
+        except TypeError:  # a scalar length
+            shape = (int(shape),)
+        if shape and min(shape) < 0:
             raise ValueError(f"negative dimensions are not allowed: {shape}")
-        dtype = np.dtype(dtype)
+        if not isinstance(dtype, np.dtype):
+            dtype = np.dtype(dtype)
         buf = bytearray(max(dtype.itemsize, 1))  # not an ndarray: this array is the owner
-        a = np.ndarray.__new__(cls, shape, dtype, buffer=buf, strides=(0,) * len(shape))
-        a._ls = c_strides(shape, dtype.itemsize)
-        return a
+        # _ls stays None (C order; __array_finalize__ set it): the strides a fresh array has
+        return np.ndarray.__new__(cls, shape, dtype, buffer=buf, strides=(0,) * len(shape))
 
     def __array_finalize__(self, obj):
         self._ls = None  # set by whoever made the view; None = C order
@@ -62,8 +67,13 @@ class ShapeArray(np.ndarray):
         return c_strides(self.shape, self.itemsize) if ls is None else ls
 
     def _probe(self) -> np.ndarray:
-        """A stand-in with this array's logical strides (never read; views only)."""
-        return np.lib.stride_tricks.as_strided(_ZEROS(1, np.uint8), self.shape, self._strides())
+        """A stand-in with this array's logical strides (never read or written: views only, so
+        one per (shape, strides) is kept; a dry run meets a few hundred)."""
+        key = (self.shape, self._strides())
+        p = _PROBES.get(key)
+        if p is None:
+            p = _PROBES[key] = np.lib.stride_tricks.as_strided(_ZEROS(1, np.uint8), *key)
+        return p
 
     def _as_view(self, native, probe) -> ShapeArray:
         native._ls = tuple(probe.strides)
@@ -97,6 +107,10 @@ class ShapeArray(np.ndarray):
 
     def reshape(self, *shape, order="C", copy=None):
         shape = shape[0] if len(shape) == 1 and not np.isscalar(shape[0]) else shape
+        if self._ls is None and order == "C":  # C order: every reshape is a C-order view
+            native = np.ndarray.reshape(self, shape)
+            native._ls = None
+            return native
         try:
             probe = np.reshape(self._probe(), shape, order=order, copy=False)
         except ValueError:  # a real array would be copied
@@ -153,7 +167,7 @@ class ShapeArray(np.ndarray):
             if ufunc is np.matmul:
                 shapes = [_matmul_shape(_shape(inputs[0]), _shape(inputs[1]))]
             else:
-                shapes = [np.broadcast_shapes(*(_shape(x) for x in inputs))] * ufunc.nout
+                shapes = [_broadcast(inputs)] * ufunc.nout
             dts = _resolve_dtypes(ufunc, inputs, kw)
         elif method in ("reduce", "accumulate"):
             x = inputs[0]
@@ -250,12 +264,44 @@ def _matmul_shape(a, b) -> tuple:
     return tuple(out)
 
 
+def _broadcast(inputs) -> tuple:
+    """np.broadcast_shapes of the inputs; the common case (equal shapes and scalars) first."""
+    shapes = {_shape(x) for x in inputs}
+    shapes.discard(())
+    if len(shapes) <= 1:
+        return shapes.pop() if shapes else ()
+    return np.broadcast_shapes(*shapes)
+
+
+def _scalar_key(x):
+    """What NumPy's type resolution sees of an operand: an array's or NumPy scalar's dtype, a
+    Python scalar's type (weak, NEP 50; an int's size too, which decides overflow errors)."""
+    if hasattr(x, "dtype"):
+        return x.dtype
+    if type(x) is int:
+        return int, x.bit_length(), x < 0
+    return type(x)
+
+
+_DTYPES: dict = {}  # (ufunc, operand keys, kw) -> result dtypes: resolution is data-independent
+
+
 def _resolve_dtypes(ufunc, inputs, kw) -> list:
-    stand = [_ZEROS(1, x.dtype) if isinstance(x, np.ndarray) else x for x in inputs]
     kw = {k: v for k, v in kw.items() if k in ("dtype", "casting", "signature")}
+    try:
+        key = (ufunc, tuple(_scalar_key(x) for x in inputs), tuple(kw.items()))
+        return _DTYPES[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable argument: resolve without the cache
+        key = None
+    stand = [_ZEROS(1, x.dtype) if isinstance(x, np.ndarray) else x for x in inputs]
     with np.errstate(all="ignore"):
         res = ufunc(*stand, **kw)
-    return [r.dtype for r in (res if ufunc.nout > 1 else (res,))]
+    out = [r.dtype for r in (res if ufunc.nout > 1 else (res,))]
+    if key is not None:
+        _DTYPES[key] = out
+    return out
 
 
 def _reduced_shape(shape, axis, keepdims) -> tuple:
@@ -264,6 +310,7 @@ def _reduced_shape(shape, axis, keepdims) -> tuple:
     return tuple(1 if i in axes else n for i, n in enumerate(shape) if keepdims or i not in axes)
 
 
+_PROBES: dict = {}  # (shape, logical strides) -> read-only stand-in (ShapeArray._probe)
 HANDLED: dict = {}  # numpy function -> handler (filled by emulator/shape_fns.py)
 
 from emulator.shape_fns import ShapeRNG, shape_only  # noqa: F401 - registers the handlers

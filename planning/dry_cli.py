@@ -1,9 +1,12 @@
-"""`python -m emulator dryrun --preset NAME --dp D [--tp T | --pp P] [--zero Z] ...`
+"""`python -m emulator dryrun --preset NAME --dp D [--tp T] [--pp P] [--zero Z] ...`
 
 Runs the layout's real training code, one step, on shape-only arrays, one representative rank
-per role (planning/dryrun.py), and prints per rank the memory ledger's peak bytes per category
-beside the course's analytic state / activations (planning/memory.py) and this model's exact
-formulas (planning/exact.py), the bytes it sent per ledger tag, and the time it took.
+per role, and prints per rank the memory ledger's peak bytes per category and the bytes it sent.
+Without --cp the code is the one N-D program parallel.train (planning/nd_dryrun.py: dp x pp x tp,
+SP, ZeRO 0-3, every schedule; one rank per pipeline stage), checked against parallel/nd_cost.py's
+closed forms and shown beside the course's analytic figures (planning/nd_report.py). With --cp the
+layout is dp x cp through parallel/context/train.py (planning/dryrun.py), shown beside the
+course's and this model's exact formulas (planning/exact.py).
 """
 
 from __future__ import annotations
@@ -35,12 +38,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq", type=int, default=None, help="default: the preset's")
     ap.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     ap.add_argument("--microbatches", type=int, default=None, help="per step (pp: default pp)")
-    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | interleaved | zb-h1")
+    ap.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved)")
     ap.add_argument("--sequence-parallel", action="store_true", help="with --tp")
     ap.add_argument("--recompute", choices=memory.RECOMPUTE, default="none")
     ap.add_argument("--prefetch", action="store_true", help="ZeRO-3: gather the next unit early")
     ap.add_argument("--no-reshard", action="store_true", help="ZeRO-3: keep units gathered")
     ap.add_argument("--ranks", default=None, help="comma-separated ranks (default: one per role)")
+    ap.add_argument("--tags", action="store_true", help="each rank's top 8 ledger tags")
+    ap.add_argument("--workers", type=int, default=2, help="processes running representatives")
     ap.add_argument("--json", action="store_true")
     return ap
 
@@ -70,6 +76,48 @@ def dp_formula(cfg, lay: Layout) -> int:
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
+    return _main_cp(a) if a.cp > 1 else _main_nd(a)
+
+
+def _main_nd(a) -> int:
+    from emulator.config import n_params
+    from parallel.layout import Layout as NDLayout
+    from planning import nd_report
+    from planning.nd_dryrun import Timing, cpu_seconds, dry_nd, peak_rss_mib
+
+    try:
+        p = presets.get(a.preset)
+        seq = a.seq or p.seq
+        m = a.microbatches or max(1, a.pp)
+        lay = NDLayout(dp=a.dp, pp=a.pp, tp=a.tp, zero=a.zero, microbatches=m,
+                       schedule=a.schedule, chunks=a.chunks, sequence_parallel=a.sequence_parallel,
+                       recompute=a.recompute, dtype="mixed", prefetch=a.prefetch,
+                       reshard_after_forward=not a.no_reshard)  # fmt: skip
+        cfg, B = p.model_config(seq), a.dp * a.micro_batch * m
+        bad = lay.problems(lay.world, cfg, (B, seq))
+        if bad:
+            raise ValueError(f"{lay} cannot run: " + "; ".join(bad))
+        course = memory.plan(p, lay.world, a.dp, a.tp, a.pp, a.zero, a.recompute, seq,
+                             a.micro_batch, 0.0, even_pp=False)  # fmt: skip
+        ranks = None if a.ranks is None else [int(r) for r in a.ranks.split(",")]
+        if ranks and not all(0 <= r < lay.world for r in ranks):
+            raise ValueError(f"--ranks {a.ranks}: ranks are 0..{lay.world - 1}")
+        t0 = time.perf_counter()
+        runs = dry_nd(cfg, lay, B, seq, ranks, workers=a.workers)
+        total = Timing(time.perf_counter() - t0, cpu_seconds(runs))
+    except ValueError as exc:
+        print(f"dryrun: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    checks = nd_report.check_all(cfg, lay, B, seq, runs)
+    if a.json:
+        print(json.dumps(nd_report.as_json(lay, runs, checks, total, peak_rss_mib())))
+    else:
+        print(nd_report.report(p, lay, B, seq, runs, checks, total, course, n_params(cfg), a.tags))
+        print(f"peak resident memory of this process: {peak_rss_mib():.0f} MiB")
+    return 0
+
+
+def _main_cp(a) -> int:
     try:
         p = presets.get(a.preset)
         seq = a.seq or p.seq

@@ -8,9 +8,11 @@ peer, group) and the memory ledger's snapshot (current and peak per category).
 Layouts: dp only (parallel.data.train: DDP, ZeRO-1/2/3), dp x tp (parallel.tensor.train, DDP or
 ZeRO-1 over dp, optional sequence parallelism), dp x pp (parallel.pipeline.train, any schedule,
 dp_mode none / ddp / zero1), dp x cp (parallel.context.train: ring / all-gather / Ulysses,
-contiguous or zigzag). tp x pp together waits for the N-D driver (parallel.train); expert
-parallelism sends data-dependent row counts (all-to-all-v of the routed tokens), which a dry run
-cannot know without an assumed routing, so it is not dry-run yet.
+contiguous or zigzag). The one N-D program parallel.train (dp x pp x tp together) is dry-run by
+planning/nd_dryrun.py, which `python -m emulator dryrun` uses for every layout without cp; this
+module stays for the per-axis trainers and dp x cp. Expert parallelism sends data-dependent row
+counts (all-to-all-v of the routed tokens), which a dry run cannot know without an assumed
+routing, so it is not dry-run yet.
 
 Rank symmetry: ranks with the same role run the same code on the same shapes, so one rank stands
 for its role: one per pipeline stage (their in-flight activations differ), at dp = tp = 0
@@ -53,8 +55,8 @@ class Layout:
     def check(self) -> None:
         if self.tp > 1 and self.pp > 1:
             raise ValueError(
-                f"tp={self.tp} x pp={self.pp}: the dry run covers dp, dp x tp and dp x pp; tp x pp "
-                "together needs the N-D driver parallel.train"
+                f"tp={self.tp} x pp={self.pp}: the per-axis trainers cover dp, dp x tp and dp x pp; "
+                "tp x pp together runs through parallel.train (planning/nd_dryrun.py)"
             )
         if self.cp > 1 and (self.tp > 1 or self.pp > 1 or self.zero):
             raise ValueError(f"cp={self.cp}: context parallelism runs over dp x cp with DDP only")
@@ -138,7 +140,8 @@ def role_figures(fig: dict) -> tuple:
     position-dependent tags (see representative), and the memory snapshot."""
     by: dict = {}
     for (tag, op, _alg, direction, _peer, group), n in fig["bytes"].items():
-        if not (tag.startswith("dp/clip") or tag.endswith("init_broadcast")):
+        # "clip": ep_train's tag for the same one-element norm all-reduce
+        if not (tag.startswith(("dp/clip", "clip")) or tag.endswith("init_broadcast")):
             by[(tag, op, direction, group)] = by.get((tag, op, direction, group), 0) + n
     return by, fig["memory"]
 

@@ -16,30 +16,52 @@ def run(argv: str):
     return rc, out.getvalue(), err.getvalue()
 
 
-@pytest.mark.parametrize("flags", ["", "--prefetch", "--no-reshard"])
-def test_zero3_bytes_equal_the_formula_and_memory_equals_this_model(flags):
-    rc, out, _ = run(f"--preset llama2-7b --dp 4 --zero 3 --seq 64 --ranks 0 {flags}")
-    assert rc == 0 and ": equal" in out and "DIFFERENT" not in out
-    state = next(line for line in out.split("\n") if line.strip().startswith("state"))
-    dry, model = state.split()[1:3]
-    assert dry == model  # the ledger's peaks equal parallel/data/cost.py's, to 0.01 GiB
+@pytest.mark.parametrize("flags", ["--zero 3", "--zero 3 --prefetch", "--zero 3 --no-reshard",
+                                   "--zero 2 --tp 2 --pp 2 --sequence-parallel",
+                                   "--zero 1 --pp 4 --schedule interleaved --chunks 2 --microbatches 4"])  # fmt: skip
+def test_every_representative_equals_nd_costs_formulas(flags):
+    rc, out, _ = run(f"--preset llama2-7b --dp 2 --seq 32 --tags {flags}")
+    rows = [line for line in out.split("\n") if " stage " in line and "rank(s)" in line]
+    pp = 4 if "--pp 4" in flags else 2 if "--pp 2" in flags else 1
+    assert rc == 0 and len(rows) == pp and "DIFFERENT" not in out
+    assert all(line.endswith("equal") for line in rows), rows
+    assert "through parallel.train" in out and "dp/grads" in out
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_dp_state_equals_this_models_exact_column(zero):
+    from planning import exact, memory, presets
+
+    rc, out, _ = run(f"--preset llama2-7b --dp 4 --zero {zero} --seq 64 --json")
+    peak = json.loads(out)["ranks"]["0"]["memory"]["peak"]
+    p = presets.get("llama2-7b")
+    row = memory.plan(p, 4, 4, 1, 1, zero, "none", 64, 1, 0.0, even_pp=False)
+    assert rc == 0 and sum(peak[c] for c in ("params", "grads", "optimizer")) == (
+        exact.price(p, row, 64, 1).state
+    )
 
 
 def test_json_has_every_representative():
-    rc, out, _ = run("--preset llama2-7b --dp 2 --pp 4 --seq 32 --json")
+    rc, out, _ = run("--preset llama2-7b --dp 2 --pp 4 --tp 2 --seq 32 --json")
     ranks = json.loads(out)["ranks"]
-    assert rc == 0 and sorted(ranks) == ["0", "1", "2", "3"]
+    assert rc == 0 and sorted(ranks, key=int) == ["0", "2", "4", "6"]  # stage s at dp = tp = 0
     assert all(r["memory"]["peak"]["activations"] > 0 for r in ranks.values())
+    assert all(r["differences_from_nd_cost"] == [] for r in ranks.values())
+
+
+def test_context_parallel_still_dry_runs_through_cp_train():
+    rc, out, _ = run("--preset llama2-7b --dp 2 --cp 2 --seq 32")
+    assert rc == 0 and out.count("rank ") >= 2 and "cp=2" in out
 
 
 @pytest.mark.parametrize(
     "argv, words",
     [
         ("--preset gpt4", ["unknown preset 'gpt4'", "llama3-405b"]),
-        ("--preset llama2-7b --tp 2 --pp 2", ["tp x pp", "parallel.train"]),
-        ("--preset llama2-7b --pp 64", ["pp=64 is more stages", "32 layers"]),
-        ("--preset llama2-7b --tp 3", ["tp=3", "heads 32"]),
-        ("--preset llama2-7b --tp 2 --zero 3", ["zero=3 with tp or pp"]),
+        ("--preset llama2-7b --pp 64", ["64 virtual stages", "only 32 blocks"]),
+        ("--preset llama2-7b --tp 3", ["tp=3 does not divide n_heads=32"]),
+        ("--preset llama2-7b --sequence-parallel", ["sequence_parallel=True needs tp > 1"]),
+        ("--preset llama2-7b --dp 2 --ranks 0,5", ["ranks are 0..1"]),
         ("--preset llama2-7b --cp 2 --tp 2", ["cp=2", "dp x cp with DDP only"]),
     ],
 )
