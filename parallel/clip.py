@@ -75,3 +75,13 @@ def clip_(grads, max_norm, groups=(), *, weights=None, tag="clip"):
     norm, coef = global_grad_norm(grads, groups, max_norm=max_norm, weights=weights, tag=tag)
     scale_(grads, coef)
     return norm, coef
+
+
+def clip_and_step(opt, master, grads, groups=(), *, max_norm=None, weights=None, tag="clip"):
+    """The global norm of `grads`, then AdamW on `master` with the clipped gradients (copied
+    only when they are clipped, so the caller's `grads` stay the unclipped ones). -> the norm."""
+    norm, coef = global_grad_norm(grads, groups, max_norm=max_norm, weights=weights, tag=tag)
+    step = grads if coef >= 1.0 else {n: g.copy() for n, g in grads.items()}
+    scale_(step, coef)
+    opt.step(master, step)
+    return norm

@@ -18,6 +18,7 @@ import time
 
 from planning import exact, memory, presets
 from planning.dryrun import Layout, dry_layout
+from planning.nd_report import tags
 
 GIB = memory.GIB
 STATE = ("params", "grads", "optimizer")
@@ -49,16 +50,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--workers", type=int, default=2, help="processes running representatives")
     ap.add_argument("--json", action="store_true")
     return ap
-
-
-def tags(fig: dict, depth: int = 2) -> dict:
-    """Bytes sent per tag, the tag cut to its first ``depth`` parts ("dp/grads", "blocks.0/mb0")."""
-    out: dict = {}
-    for (tag, _op, _alg, direction, _peer, _group), n in fig["bytes"].items():
-        if direction == "send":
-            key = "/".join(tag.split("/")[:depth]) or "(untagged)"
-            out[key] = out.get(key, 0) + n
-    return out
 
 
 def dp_formula(cfg, lay: Layout) -> int:

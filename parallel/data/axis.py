@@ -28,7 +28,7 @@ import contextlib
 from emulator.model import to_compute
 from emulator.optim import AdamW
 from emulator.precision import compute_dtype
-from parallel.clip import global_grad_norm, scale_
+from parallel.clip import clip_and_step
 from parallel.data.common import backward_order
 from parallel.data.ddp import DDP
 from parallel.data.zero import ZeroOptimizer
@@ -109,12 +109,8 @@ class DataAxis(Accumulate):
             self.ddp.zero_grad()
         self.last_grads = grads
         # summed (replicated) over dp after DDP: the norm reduces over the other axes only
-        norm, coef = global_grad_norm(grads, self.norm_groups, max_norm=self.max_norm,
-                                      weights=self.weights, tag="dp/clip")  # fmt: skip
-        step = grads if coef >= 1.0 else {n: g.copy() for n, g in grads.items()}
-        scale_(step, coef)
-        self.opt.step(self.master, step)
-        return norm
+        return clip_and_step(self.opt, self.master, grads, self.norm_groups, max_norm=self.max_norm,
+                             weights=self.weights, tag="dp/clip")  # fmt: skip
 
     # ---- the executor's hooks --------------------------------------------------------------
     def start(self, kind: str, mb: int, layers: list) -> None:

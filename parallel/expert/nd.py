@@ -34,7 +34,7 @@ from emulator.optim import AdamW
 from emulator.precision import compute_dtype, master_dtype
 from emulator.rank import current_state
 from parallel import nd_cost
-from parallel.clip import global_grad_norm, scale_
+from parallel.clip import clip_and_step
 from parallel.data.common import backward_order
 from parallel.data.cost import step_bytes as dp_step_bytes
 from parallel.data.ddp import DDP
@@ -178,12 +178,8 @@ class EPAxis(Accumulate):
         if self.eddp:
             self.eddp.zero_grad()
         self.last_grads = grads
-        norm, coef = global_grad_norm(grads, self.groups, max_norm=self.max_norm,
-                                      weights=self.weights, tag="dp/clip")  # fmt: skip
-        step = grads if coef >= 1.0 else {n: g.copy() for n, g in grads.items()}
-        scale_(step, coef)
-        self.opt.step(self.master, step)
-        return norm
+        return clip_and_step(self.opt, self.master, grads, self.groups, max_norm=self.max_norm,
+                             weights=self.weights, tag="dp/clip")  # fmt: skip
 
     def start(self, kind: str, mb: int, layers: list) -> None:
         self.mb = mb
