@@ -169,7 +169,9 @@ def test_launch_refuses_a_bad_timeout_under_mpi(bad):
 
 
 def test_second_launch_in_one_process_is_refused():
-    code = "import emulator; print('first', emulator.launch(lambda c: 0)); emulator.launch(None)"
+    # one write per line (atomic on a pipe): two ranks' print() calls interleave their pieces
+    code = ("import sys, emulator; sys.stdout.write(f'first {emulator.launch(lambda c: 0)}\\n'); "
+            "sys.stdout.flush(); emulator.launch(None)")  # fmt: skip
     cmd = [MPIEXEC, "-n", "2", sys.executable, "-c", code]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode != 0 and out.stdout.count("first 0") == 2, out.stdout
