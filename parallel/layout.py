@@ -124,20 +124,13 @@ class Layout:
         return bad
 
     def _ep_problems(self) -> list[str]:
-        """ep > 1 (parallel/expert/nd.py): the ep group is drawn from the dp ranks; DDP only."""
+        """ep > 1 (parallel/expert/nd.py): the ep group is drawn from the dp ranks (at the same
+        cp coordinate); DDP or ZeRO-1/2/3 on both parts, any cp."""
         bad = []
-        if self.cp > 1:
-            bad.append(f"ep={self.ep} with cp={self.cp}: the expert all-to-alls and the cp "
-                       f"attention are not composed yet (which tokens form a routing group, and "
-                       f"the dp x cp gradient group of the experts); use cp=1 or ep=1")  # fmt: skip
         if self.dp % self.ep:
             bad.append(f"ep={self.ep} must divide dp={self.dp}: the ep group is drawn from the "
                        f"data-parallel ranks (Megatron-core, DeepSpeed-MoE); ep could be one of "
                        f"{[d for d in range(1, self.dp + 1) if self.dp % d == 0]}")  # fmt: skip
-        if self.zero:
-            bad.append(f"zero={self.zero} with ep > 1: the expert tensors are summed over the "
-                       f"edp group, not dp, so ZeRO would need a second sharded optimizer over "
-                       f"edp sharing one clipping norm; not wired: use zero=0 (DDP)")  # fmt: skip
         if self.schedule == "zb-h1":
             bad.append("ep > 1 with zb-h1: the B/W split (parallel/pipeline/zero_bubble.py) uses "
                        "the single-rank MoE block; use gpipe, 1f1b or interleaved")  # fmt: skip

@@ -133,17 +133,18 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
     mem = comm.memory
     mem.reset_peak()
     record: dict = {}  # ep > 1: (layer, mb) -> (kept, C) of the current step
-    if layout.ep > 1:  # parallel/expert/nd.py: experts E/ep per rank, two DDPs, one norm
+    if layout.ep > 1:  # parallel/expert/nd.py: experts E/ep per rank, two parts, one norm
         emesh = ep_mesh(comm, layout)
         ep = emesh["ep"]
         master = nd_ep.shard_experts(master, ep.rank, cfg.n_experts // ep.size)
-        ctx = LayerContext(tp=tp, sp=layout.sequence_parallel, regather=layout.regather, ep=ep,
-                           moe=nd_ep.moe_pair(ep, layout.dispatch, record), act_bytes={})  # fmt: skip
-        axis = nd_ep.EPAxis(dp, emesh["edp"], ep, master, cfg, hyper={"lr": lr, "betas": betas,
-                            "eps": eps, "weight_decay": weight_decay}, max_norm=max_norm,
-                            norm_groups=(tp, pp), t=t, bucket_cap_mb=layout.bucket_cap_mb,
-                            tp_replicated=[n for n in names if not plan[n].sharded],
-                            partial=_sp_partial(tp) if ctx.sp else None, mem=mem)  # fmt: skip
+        ctx = LayerContext(tp=tp, sp=layout.sequence_parallel, regather=layout.regather,
+                           cp=mesh["cp"], cp_method=layout.cp_method, ep=ep, act_bytes={},
+                           moe=nd_ep.moe_pair(ep, layout.dispatch, record))  # fmt: skip
+        axis = nd_ep.ep_axis(data, emesh, master, cfg, layout, tp=tp, pp=pp, hyper={"lr": lr,
+                             "betas": betas, "eps": eps, "weight_decay": weight_decay},
+                             max_norm=max_norm, mem=mem,
+                             tp_replicated=[n for n in names if not plan[n].sharded],
+                             partial=_sp_partial(tp) if ctx.sp else None)  # fmt: skip
     else:
         ep = None
         axis = DataAxis(

@@ -19,16 +19,27 @@ One unit per layer (not FSDP's root unit of embed + head) because under a pipeli
 interleaved chunks, the embedding and the head are on different stages or chunks: a unit must
 complete its gradients within one layer's backward. `start(kind, mb, layers)` tells the hooks the
 current action's layers, so prefetch gathers the next layer of the same action.
+
+Parts (expert parallelism, parallel/expert/nd.py): the tensors may be split into parts, each
+synchronised over its own group by its own DDP / ZeroOptimizer (an "engine") - the dense ones
+over dp (x cp), the experts over edp (x cp), the second engine's traffic under the scope "edp"
+(tags edp/dp/...) and its memory names prefixed "edp.". A layer's unit (zero 2/3) is then one
+unit per engine (a block's dense and expert tensors), gathered together; ONE global norm: under
+ZeRO every engine's owned shards' squares (ZeroOptimizer.reduce) summed, reduced over ``dp`` -
+the group whose ranks hold distinct shards of every part - and ``norm_groups``, then each
+engine's apply(coef); under DDP the summed gradients' squares over ``norm_groups`` (weighted).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
+from emulator import scope
 from emulator.model import to_compute
 from emulator.optim import AdamW
 from emulator.precision import compute_dtype
-from parallel.clip import clip_and_step
+from parallel.clip import clip_and_step, global_grad_norm
 from parallel.data.common import backward_order
 from parallel.data.ddp import DDP
 from parallel.data.zero import ZeroOptimizer
@@ -52,40 +63,66 @@ def layer_units(names) -> list[list[str]]:
     return [units[k] for k in order]
 
 
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """Tensors synchronised over one group: ``label`` "" (ledger tags dp/..., memory names as
+    before) or e.g. "edp" (tags edp/dp/..., memory names "edp.<name>")."""
+
+    group: object  # a Comm
+    names: tuple
+    label: str = ""
+
+    def scope(self):
+        return scope(self.label) if self.label else contextlib.nullcontext()
+
+
 class DataAxis(Accumulate):
     def __init__(self, dp, master: dict, zero: int, cfg, *, hyper: dict, max_norm=None,
                  norm_groups=(), norm_weights=None, bucket_cap_mb=25.0,
                  reshard_after_forward=True, prefetch=False, partial=None,
-                 mem=None):  # fmt: skip
+                 mem=None, parts=None):  # fmt: skip
+        """``parts``: None (every tensor over ``dp``) or [Part, ...] covering ``master``."""
         super().__init__(None)
         self.dp, self.master, self.zero, self.cfg, self.mem = dp, master, zero, cfg, mem
         self.max_norm, self.norm_groups, self.weights = max_norm, tuple(norm_groups), norm_weights
         self.reshard, self.prefetch, self.partial = reshard_after_forward, prefetch, partial
-        self.D, self.statics, self.ddp, self.opt, self.engine = dp.size, [], None, None, None
+        self.D, self.statics, self.opt = dp.size, [], None
+        self.parts = parts or [Part(dp, tuple(master))]
+        self.part = {n: k for k, p in enumerate(self.parts) for n in p.names}
+        if sorted(self.part) != sorted(master) or len(self.part) != len(master):
+            raise ValueError("DataAxis: the parts must cover every tensor exactly once")
+        self.ddps, self.engines, self.units = [], [], []
         self.order: list = []
         self.last_grads: dict = {}  # no step yet: no gradient
+        n, c = sum(p.size for p in master.values()), compute_dtype(cfg.dtype).itemsize
+        for part in self.parts:
+            mine = {k: master[k] for k in part.names}
+            lab = f"{part.label}." if part.label else ""
+            if zero == 0:  # a group of one: no DDP, its local gradient buffer
+                one = part.group.size == 1
+                self.ddps.append(None if one else DDP(part.group, mine, label=lab, mem=mem,
+                                 bucket_cap_mb=bucket_cap_mb, dtype=cfg.dtype))  # fmt: skip
+                if one:
+                    size = sum(p.size for p in mine.values())
+                    self.statics.append(("grads", f"{lab}grads", size * c))
+                continue
+            units = layer_units(mine) if zero >= 2 else None
+            self.engines.append(ZeroOptimizer(part.group, mine, zero, dtype=cfg.dtype,
+                                              norm_weights=norm_weights, units=units,
+                                              bucket_cap_mb=bucket_cap_mb, mem=mem, label=lab,
+                                              **hyper))  # fmt: skip
+            self.units.append({layer_of(lay.names[0]): lay.index
+                               for lay in self.engines[-1].layouts})  # fmt: skip
         if zero == 0:
             self.opt = AdamW(master, **hyper)
-            if self.D > 1:
-                self.ddp = DDP(dp, master, bucket_cap_mb=bucket_cap_mb, dtype=cfg.dtype, mem=mem)
-            n, c = sum(p.size for p in master.values()), compute_dtype(cfg.dtype).itemsize
-            self.statics = [("params", "master", sum(p.nbytes for p in master.values())),
-                            ("optimizer", "adamw", self.opt.nbytes())]  # fmt: skip
+            self.statics += [("params", "master", sum(p.nbytes for p in master.values())),
+                             ("optimizer", "adamw", self.opt.nbytes())]  # fmt: skip
             if cfg.dtype == "mixed":  # the compute copy: Psi c
                 self.statics.append(("params", "compute_copy", n * c))
-            if self.ddp is None:  # dp = 1: the local gradient buffer
-                self.statics.append(("grads", "grads", n * c))
-            for cat, name, nbytes in self.statics:
-                if mem is not None:
-                    mem.alloc(cat, name, nbytes)
-        else:
-            units = layer_units(master) if zero >= 2 else None
-            self.engine = ZeroOptimizer(dp, master, zero, dtype=cfg.dtype, max_norm=max_norm,
-                                        norm_groups=norm_groups, norm_weights=norm_weights,
-                                        bucket_cap_mb=bucket_cap_mb, units=units, mem=mem,
-                                        **hyper)  # fmt: skip
-            self.unit = {layer_of(lay.names[0]): lay.index for lay in self.engine.layouts}
-        self.layouts = self.ddp.layouts if self.ddp else self.engine.layouts if self.engine else []
+            for cat, name, nbytes in self.statics if mem is not None else ():
+                mem.alloc(cat, name, nbytes)
+        self.layouts = [lay for d in self.ddps if d for lay in d.layouts]
+        self.layouts += [lay for e in self.engines for lay in e.layouts]
 
     # ---- one step -----------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -93,22 +130,34 @@ class DataAxis(Accumulate):
         if self.zero == 0:
             self.params = to_compute(self.master, self.cfg)
         elif self.zero < 3:
-            self.params = self.engine.params
+            self.params = {k: v for e in self.engines for k, v in e.params.items()}
 
     def finish_step(self) -> float:
         """Sync, clip and update -> the global gradient norm before clipping."""
-        if self.zero >= 2:
-            return self.engine.step()
+        if self.zero >= 1:
+            sq = 0.0
+            for part, engine in zip(self.parts, self.engines):
+                with part.scope():
+                    grads = None if self.zero >= 2 else {n: self.grads[n] for n in part.names}
+                    sq += engine.reduce(grads)
+            norm, coef = global_grad_norm(sq, (self.dp, *self.norm_groups),
+                                          max_norm=self.max_norm, tag="dp/clip")  # fmt: skip
+            for part, engine in zip(self.parts, self.engines):
+                with part.scope():
+                    engine.apply(coef)
+            return norm
         grads = {n: self.grads[n] for n in self.master}  # parameter order
-        if self.zero == 1:
-            return self.engine.step(grads)
-        if self.ddp is not None:
-            for n in backward_order(grads, self.ddp.position):
-                self.ddp.grad_ready(n, grads[n], where="step")
-            grads = {n: g.copy() for n, g in self.ddp.finish().items()}
-            self.ddp.zero_grad()
+        for part, ddp in zip(self.parts, self.ddps):
+            if ddp is None:
+                continue
+            with part.scope():
+                for n in backward_order({k: grads[k] for k in part.names}, ddp.position):
+                    ddp.grad_ready(n, grads[n], where="step")
+            grads |= {n: g.copy() for n, g in ddp.finish().items()}
+            ddp.zero_grad()
         self.last_grads = grads
-        # summed (replicated) over dp after DDP: the norm reduces over the other axes only
+        # summed (replicated) over each part's group after DDP: the norm reduces over the
+        # other axes only (weights count a replica once)
         return clip_and_step(self.opt, self.master, grads, self.norm_groups, max_norm=self.max_norm,
                              weights=self.weights, tag="dp/clip")  # fmt: skip
 
@@ -116,19 +165,32 @@ class DataAxis(Accumulate):
     def start(self, kind: str, mb: int, layers: list) -> None:
         self.order, self.mb = list(layers), mb
 
+    def _gather_layer(self, layer: str, where: str) -> dict:
+        out = {}
+        for part, engine, unit in zip(self.parts, self.engines, self.units):
+            if layer in unit:
+                with part.scope():
+                    out |= engine.gather(unit[layer], where)
+        return out
+
     def _gather(self, layer: str, tag: str) -> dict:
-        params = self.engine.gather(self.unit[layer], f"{tag}:{layer}")
+        params = self._gather_layer(layer, f"{tag}:{layer}")
         k = self.order.index(layer) + 1
         if self.prefetch and k < len(self.order):  # the next layer's unit, before computing
-            self.engine.gather(self.unit[self.order[k]], f"prefetch@{tag}:{layer}")
+            self._gather_layer(self.order[k], f"prefetch@{tag}:{layer}")
         return params
+
+    def _free(self, layer: str) -> None:
+        for engine, unit in zip(self.engines, self.units):
+            if layer in unit:
+                engine.free(unit[layer])
 
     def pre_forward(self, layer: str) -> dict:
         return self._gather(layer, "fwd") if self.zero == 3 else self.params
 
     def post_forward(self, layer: str) -> None:
         if self.zero == 3 and self.reshard:
-            self.engine.free(self.unit[layer])
+            self._free(layer)
 
     def pre_backward(self, layer: str) -> dict:
         return self._gather(layer, "bwd") if self.zero == 3 else self.params
@@ -138,10 +200,13 @@ class DataAxis(Accumulate):
             grads = self.partial(layer, self.mb, grads)
         if self.zero < 2:
             return super().post_backward(layer, grads)
-        for name in backward_order(grads, self.engine.position):
-            self.engine.grad_ready(name, grads[name], f"bwd:{layer}")
+        for k, (part, engine) in enumerate(zip(self.parts, self.engines)):
+            mine = {n: g for n, g in grads.items() if self.part[n] == k}
+            with part.scope():
+                for name in backward_order(mine, engine.position):
+                    engine.grad_ready(name, mine[name], f"bwd:{layer}")
         if self.zero == 3:
-            self.engine.free(self.unit[layer])
+            self._free(layer)
 
     def result(self) -> None:
         return None
@@ -149,17 +214,21 @@ class DataAxis(Accumulate):
     # ---- state for the check (uncounted) -------------------------------------------------
     def local_state(self) -> tuple[dict, dict]:
         """(master params, the last step's summed gradient before clipping): this rank's local
-        arrays (gathered over dp under ZeRO, uncounted)."""
-        if self.engine is not None:
-            grads = self.engine.full_grads() if self.engine.step_count else {}
-            return self.engine.master_params(), grads
+        arrays (gathered over each part's group under ZeRO, uncounted)."""
+        if self.engines:
+            params, grads = {}, {}
+            for engine in self.engines:
+                params |= engine.master_params()
+                grads |= engine.full_grads() if engine.step_count else {}
+            return {n: params[n] for n in self.master}, grads
         return {n: p.copy() for n, p in self.master.items()}, self.last_grads
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-        if self.ddp is not None:
-            self.ddp.close()
+        for engine in self.engines:
+            engine.close()
+        for ddp in self.ddps:
+            if ddp is not None:
+                ddp.close()
         for cat, name, _ in self.statics if self.mem is not None else ():
             with contextlib.suppress(KeyError):
                 self.mem.free(cat, name)

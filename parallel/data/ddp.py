@@ -47,8 +47,9 @@ class DDP:
     """Bucketed gradient synchronisation over `dp_comm` for a rank-local dict of parameters."""
 
     def __init__(self, dp_comm, local_params: dict, *, bucket_cap_mb=25.0, dtype="float64",
-                 mem=None, broadcast_init=True):  # fmt: skip
-        self.comm, self.mem = dp_comm, mem
+                 mem=None, broadcast_init=True, label=""):  # fmt: skip
+        """``label``: prefix of the buckets' memory-ledger names (two DDPs on a rank: "edp.")."""
+        self.comm, self.mem, self.label = dp_comm, mem, label
         if broadcast_init:
             broadcast_params(dp_comm, local_params)
         self.dtype = compute_dtype(dtype)  # gradients (and the wire) in the compute dtype
@@ -63,13 +64,15 @@ class DDP:
         self.closed = False
         if mem is not None:  # bucket buffers live for the whole run (PyTorch allocates them once)
             for b in self.layouts:
-                mem.alloc("grads", f"ddp.bucket{b.index}", b.padded * self.dtype.itemsize)
+                mem.alloc(
+                    "grads", f"{self.label}ddp.bucket{b.index}", b.padded * self.dtype.itemsize
+                )
 
     def close(self) -> None:
         """Free the bucket buffers in the memory ledger (idempotent); `with DDP(...) as ddp:`."""
         if self.mem is not None and not self.closed:
             for b in self.layouts:
-                self.mem.free("grads", f"ddp.bucket{b.index}")
+                self.mem.free("grads", f"{self.label}ddp.bucket{b.index}")
         self.closed = True
 
     def __enter__(self):

@@ -42,11 +42,12 @@ class ZeroOptimizer:
     def __init__(self, dp_comm, local_params: dict, stage=1, *, dtype="float64", lr=1e-3,
                  betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=None, norm_groups=(),
                  norm_weights=None, bucket_cap_mb=25.0, units=None, mem=None,
-                 poison_freed=False):  # fmt: skip
+                 poison_freed=False, label=""):  # fmt: skip
         """``poison_freed`` (a test mode, off by default): fill a stage-3 gathered unit with NaN
         when it is freed, so a computation that still reads it - a backward using the
-        forward's gather instead of its own - produces NaN instead of silently right values."""
-        self.stage, self.comm, self.mem = check_stage(stage), dp_comm, mem
+        forward's gather instead of its own - produces NaN instead of silently right values.
+        ``label``: prefix of this optimizer's memory-ledger names (two on one rank: "edp.")."""
+        self.stage, self.comm, self.mem, self.label = check_stage(stage), dp_comm, mem, label
         self.poison_freed = poison_freed
         check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_norm=max_norm,
                     where="ZeroOptimizer")  # fmt: skip
@@ -99,14 +100,16 @@ class ZeroOptimizer:
         for lay in self.layouts:
             i = lay.index
             held = self.full[i] if self.stage < 3 else self.pshard[i]  # compute-dtype params
-            entries = [("params", f"u{i}.params", held.nbytes)]
+            entries = [("params", f"{self.label}u{i}.params", held.nbytes)]
             if self.mixed:
-                entries.append(("params", f"u{i}.master", self.master[i].nbytes))
+                entries.append(("params", f"{self.label}u{i}.master", self.master[i].nbytes))
             grads = (
                 lay.padded * self.gshard[i].itemsize if self.stage == 1 else self.gshard[i].nbytes
             )
-            entries.append(("grads", f"u{i}.grads", grads))
-            entries.append(("optimizer", f"u{i}.adam", self.m[i].nbytes + self.v[i].nbytes))
+            entries.append(("grads", f"{self.label}u{i}.grads", grads))
+            entries.append(
+                ("optimizer", f"{self.label}u{i}.adam", self.m[i].nbytes + self.v[i].nbytes)
+            )
             for cat, name, nbytes in entries:
                 self.mem.alloc(cat, name, nbytes)
                 self.statics.append((cat, name))
@@ -118,7 +121,7 @@ class ZeroOptimizer:
             for i in list(self.gathered):
                 self.free(i)
             for i in list(self.acc.flats) if self.stage >= 2 else ():
-                self.mem.free("grads", f"u{i}.full")
+                self.mem.free("grads", f"{self.label}u{i}.full")
             for cat, name in self.statics:
                 self.mem.free(cat, name)
         self.closed = True
@@ -135,7 +138,9 @@ class ZeroOptimizer:
         lay = self.acc.of.get(name)
         fresh = lay is not None and lay.index not in self.acc.flats
         if self.stage >= 2 and fresh and self.mem is not None:  # a unit's transient full grad
-            self.mem.alloc("grads", f"u{lay.index}.full", lay.padded * self.cdt.itemsize)
+            self.mem.alloc(
+                "grads", f"{self.label}u{lay.index}.full", lay.padded * self.cdt.itemsize
+            )
         lay = self.acc.add(name, grad)
         if lay is not None and self.stage >= 2:
             self._reduce_scatter(lay, where)
@@ -148,11 +153,24 @@ class ZeroOptimizer:
         self.gshard[i][...] = down(up(self.gshard[i]) + up(part), self.cdt)
         self.reduced.add(i)
         if self.mem is not None and self.stage >= 2:
-            self.mem.free("grads", f"u{i}.full")
+            self.mem.free("grads", f"{self.label}u{i}.full")
 
     def step(self, local_grads: dict | None = None) -> float:
         """Reduce-scatter (stage 1) -> clip -> AdamW on the owned shards -> all-gather (1, 2).
-        Returns the global gradient norm before clipping."""
+        Returns the global gradient norm before clipping: reduce, the norm over dp and
+        ``norm_groups``, apply."""
+        sq = self.reduce(local_grads)
+        norm, coef = global_grad_norm(sq, (self.comm, *self.norm_groups),
+                                      max_norm=self.max_norm, tag="dp/clip")  # fmt: skip
+        self.apply(coef)
+        return norm
+
+    def reduce(self, local_grads: dict | None = None) -> float:
+        """The sync half of a step: hand over ``local_grads`` (stage 1: all of them; 2, 3: the
+        backward already did), reduce-scatter what is left -> the owned shards' (weighted) sum
+        of squares, float64. A caller holding several optimizers (parallel/data/axis.py under
+        ep: dense over dp, experts over edp) adds their sums, reduces them over the groups that
+        hold distinct shards, and calls ``apply`` on each with the one coefficient."""
         for name in backward_order(local_grads or {}, self.position):
             self.grad_ready(name, local_grads[name], "step")
         if self.acc.seen:
@@ -170,9 +188,13 @@ class ZeroOptimizer:
         for i, g in self.gshard.items():
             g64 = g.astype(np.float64)
             sq += float(np.dot(g64, g64 * self.wshard[i] if self.wshard else g64))
-        norm, coef = global_grad_norm(sq, (self.comm, *self.norm_groups),
-                                      max_norm=self.max_norm, tag="dp/clip")  # fmt: skip
-        scale_(self.gshard, coef)  # the reference's clip arithmetic
+        return sq
+
+    def apply(self, coef: float) -> None:
+        """The update half: clip the owned gradient shards by ``coef`` (the reference's
+        arithmetic), AdamW on the owned master shards, publish the parameters (stage 1/2:
+        all-gather; 3: the compute shard)."""
+        scale_(self.gshard, coef)
         self.step_count += 1
         for lay in self.layouts:
             i = lay.index
@@ -180,7 +202,6 @@ class ZeroOptimizer:
             adamw_update(self.master[i], g, self.m[i], self.v[i], self.step_count, **self.hyper)
             g[...] = 0
             self._publish(lay)
-        return norm
 
     def _publish(self, lay) -> None:
         """Stage 1/2: all-gather the updated compute-dtype parameters; stage 3: refresh the
@@ -201,7 +222,7 @@ class ZeroOptimizer:
             with scope(f"dp/params/u{i}@{where}" if where else f"dp/params/u{i}"):
                 self.gathered[i] = all_gather(self.comm, self.pshard[i])  # (padded,)
             if self.mem is not None:
-                self.mem.alloc("params", f"u{i}.gathered", self.gathered[i].nbytes)
+                self.mem.alloc("params", f"{self.label}u{i}.gathered", self.gathered[i].nbytes)
         return self.layouts[i].views(self.gathered[i])
 
     def free(self, i: int) -> None:
@@ -209,7 +230,7 @@ class ZeroOptimizer:
         if self.poison_freed:  # test mode: any later read of this memory shows as NaN
             buf[...] = np.nan
         if self.mem is not None:
-            self.mem.free("params", f"u{i}.gathered")
+            self.mem.free("params", f"{self.label}u{i}.gathered")
 
     # -- full-shape views for checks (uncounted control plane) ---------------------------------
     def _unshard(self, shards: dict) -> dict:

@@ -27,22 +27,18 @@ import math
 
 import numpy as np
 
-from emulator import scope
+from collectives import cost as ccost
 from emulator.mesh import Mesh
-from emulator.model import to_compute
-from emulator.optim import AdamW
-from emulator.precision import compute_dtype, master_dtype
+from emulator.precision import compute_dtype
 from emulator.rank import current_state
 from parallel import nd_cost
-from parallel.clip import clip_and_step
-from parallel.data.common import backward_order
+from parallel.data.axis import DataAxis, Part, layer_units
+from parallel.data.cost import static_memory as dp_static
 from parallel.data.cost import step_bytes as dp_step_bytes
-from parallel.data.ddp import DDP
-from parallel.data.flat import make_buckets
+from parallel.data.flat import make_buckets, make_layout
 from parallel.expert import cost as ep_cost
 from parallel.expert.layer import ep_moe_backward, ep_moe_forward
 from parallel.expert.sync import is_expert
-from parallel.pipeline.executor import Accumulate
 from parallel.tensor import cost as tp_cost
 from parallel.tensor.shard import REPLICATE
 
@@ -121,88 +117,44 @@ def moe_pair(ep, dispatch: str, record: dict):
     return forward, backward
 
 
-class EPAxis(Accumulate):
-    """The dp axis hooks (parallel/data/axis.py's DataAxis, zero 0) of an ep run: gradients
-    summed over the micro-batches locally, then replicated ones by DDP over dp and expert ones by
-    DDP over edp, one global norm (ep, tp, pp), AdamW on the local tensors (elementwise)."""
-
-    def __init__(self, dp, edp, ep, master, cfg, *, hyper, max_norm=None, norm_groups=(),
-                 tp_replicated=(), t=1, bucket_cap_mb=25.0, partial=None,
-                 mem=None):  # fmt: skip
-        super().__init__(None)
-        self.master, self.cfg, self.max_norm, self.mem = master, cfg, max_norm, mem
-        self.partial, self.mb = partial, 0  # SP: the tp-partial gradients summed per layer
-        self.groups = (ep, *norm_groups)
-        P = ep.size
-        self.weights = {n: (1.0 if is_expert(n) else 1.0 / P) / (t if n in tp_replicated else 1)
-                        for n in master}  # fmt: skip
-        self.opt = AdamW(master, **hyper)
-        self.position = {n: i for i, n in enumerate(master)}
-        dense = {n: p for n, p in master.items() if not is_expert(n)}
-        experts = {n: p for n, p in master.items() if is_expert(n)}
-        kw = {"bucket_cap_mb": bucket_cap_mb, "dtype": cfg.dtype}
-        self.ddp = DDP(dp, dense, mem=mem, **kw)
-        self.eddp = DDP(edp, experts, mem=None, **kw) if edp.size > 1 else None
-        n, c = sum(p.size for p in master.values()), compute_dtype(cfg.dtype).itemsize
-        self.statics = [("params", "master", sum(p.nbytes for p in master.values())),
-                        ("optimizer", "adamw", self.opt.nbytes())]  # fmt: skip
-        if cfg.dtype == "mixed":
-            self.statics.append(("params", "compute_copy", n * c))
-        if self.eddp is not None:  # its buckets, renamed beside the dense DDP's
-            for b in self.eddp.layouts:
-                self.statics.append(("grads", f"edp.ddp.bucket{b.index}", b.padded * c))
-        else:  # edp = 1: the experts' local gradient buffer
-            self.statics.append(
-                ("grads", "expert_grads", sum(p.size for p in experts.values()) * c)
-            )
-        for cat, name, nbytes in self.statics if mem is not None else ():
-            mem.alloc(cat, name, nbytes)
-        self.layouts = list(self.ddp.layouts) + list(self.eddp.layouts if self.eddp else [])
-        self.last_grads: dict = {}
-
-    def begin_step(self) -> None:
-        self.grads, self.params = {}, to_compute(self.master, self.cfg)
-
-    def finish_step(self) -> float:
-        grads = {n: self.grads[n] for n in self.master}
-        for n in backward_order(grads, self.position):
-            if not is_expert(n):
-                self.ddp.grad_ready(n, grads[n], where="step")
-            elif self.eddp is not None:
-                with scope("edp"):  # tags edp/dp/grads/bucket<i>@step
-                    self.eddp.grad_ready(n, grads[n], where="step")
-        out = dict(self.ddp.finish())
-        out.update(self.eddp.finish() if self.eddp else {})
-        grads = {n: (out[n] if n in out else grads[n]).copy() for n in self.master}
-        self.ddp.zero_grad()
-        if self.eddp:
-            self.eddp.zero_grad()
-        self.last_grads = grads
-        return clip_and_step(self.opt, self.master, grads, self.groups, max_norm=self.max_norm,
-                             weights=self.weights, tag="dp/clip")  # fmt: skip
-
-    def start(self, kind: str, mb: int, layers: list) -> None:
-        self.mb = mb
-
-    def post_backward(self, layer: str, grads: dict) -> None:
-        if self.partial is not None:  # as DataAxis: SP's partial replicated grads over tp first
-            grads = self.partial(layer, self.mb, grads)
-        super().post_backward(layer, grads)
-
-    def result(self) -> None:
-        return None
-
-    def local_state(self) -> tuple[dict, dict]:
-        return {n: p.copy() for n, p in self.master.items()}, self.last_grads
-
-    def close(self) -> None:
-        self.ddp.close()
-        if self.eddp is not None:
-            self.eddp.close()
-        for cat, name, _ in self.statics if self.mem is not None else ():
-            with contextlib.suppress(KeyError):
-                self.mem.free(cat, name)
-        self.statics = []
+def ep_axis(
+    data,
+    emesh,
+    master: dict,
+    cfg,
+    layout,
+    *,
+    tp,
+    pp,
+    tp_replicated,
+    hyper: dict,
+    max_norm=None,
+    partial=None,
+    mem=None,
+) -> DataAxis:
+    """The dp-axis hooks of an ep run: parallel/data/axis.py's DataAxis with two parts - the
+    dense tensors over ``data`` (dp, or dp x cp), the experts over edp (x cp) under the label
+    "edp" - both DDP (zero 0) or ZeRO stage ``layout.zero``, and one global norm:
+      zero 0  after DDP the dense gradients are replicated over dp, the experts' over edp, and
+              the ep ranks hold different experts: squares reduced over ep (dense weight 1/P),
+              then tp (1/t for tp-replicated tensors; the experts are) and pp;
+      zero>0  dp rank (q, e) owns a distinct shard of the dense tensors AND a distinct shard of
+              expert group e's experts, so the owned squares summed over ``data`` (dp x cp)
+              are every element once; then tp (1/t), pp."""
+    P, t, zero = layout.ep, tp.size, layout.zero
+    edp = emesh.group("edp", "cp") if layout.cp > 1 else emesh["edp"]
+    dense = tuple(n for n in master if not is_expert(n))
+    experts = tuple(n for n in master if is_expert(n))
+    parts = [Part(data, dense)] + ([Part(edp, experts, "edp")] if experts else [])
+    w = {n: (1.0 / t if n in tp_replicated else 1.0) for n in master}
+    if zero == 0:
+        w = {n: x if is_expert(n) else x / P for n, x in w.items()}
+    return DataAxis(data, master, zero, cfg, hyper=hyper, max_norm=max_norm,
+                    norm_groups=(emesh["ep"], tp, pp) if zero == 0 else (tp, pp),
+                    norm_weights=w if zero == 0 or t > 1 else None,
+                    bucket_cap_mb=layout.bucket_cap_mb, partial=partial, mem=mem, parts=parts,
+                    reshard_after_forward=layout.reshard_after_forward,
+                    prefetch=layout.prefetch)  # fmt: skip
 
 
 # ---- bytes -----------------------------------------------------------------------------------
@@ -212,17 +164,45 @@ def ep_layer_bytes(dispatch: str, kept, C: int, H: int, itemsize: int, rank: int
     return ep_cost.layer_bytes(dispatch, np.asarray(kept), C, H, itemsize, rank)
 
 
+def _parts(cfg, layout, shapes: dict) -> list:
+    """[(layouts, numel)] of ep_axis's two parts for local ``shapes``: the dense tensors over
+    D C ranks, the experts over (D / P) C (C = cp); DDP / ZeRO-1 buckets (make_buckets) or,
+    ZeRO-2/3, one unit per layer (parallel/data/axis.layer_units), as DataAxis builds them."""
+    c, out = compute_dtype(cfg.dtype).itemsize, []
+    for expert, D in ((False, layout.dp), (True, layout.dp // layout.ep)):
+        mine = {n: s for n, s in shapes.items() if is_expert(n) == expert}
+        if not mine:
+            continue
+        D *= layout.cp
+        if layout.zero >= 2:
+            lays = [make_layout(i, {n: mine[n] for n in u}, D)
+                    for i, u in enumerate(layer_units(mine))]  # fmt: skip
+        else:
+            lays = make_buckets(mine, D, layout.bucket_cap_mb, c)
+        out.append((lays, sum(math.prod(x) for x in mine.values())))
+    return out
+
+
 def dp_bytes(cfg, layout, shapes: dict) -> int:
-    """Bytes this rank sends per step on dp and edp: DDP over D of the replicated tensors'
-    buckets, plus DDP over D / P of the experts' (parallel/data/cost.step_bytes)."""
-    c = compute_dtype(cfg.dtype).itemsize
-    total = 0
-    for names, D in (([n for n in shapes if not is_expert(n)], layout.dp),
-                     ([n for n in shapes if is_expert(n)], layout.dp // layout.ep)):  # fmt: skip
-        if D > 1 and names:
-            lays = make_buckets({n: shapes[n] for n in names}, D, layout.bucket_cap_mb, c)
-            total += sum(dp_step_bytes("ddp", lays, cfg.dtype, layout.microbatches).values())
-    return total
+    """Bytes this rank sends per step on dp and edp (ledger "dp" + "edp"): parallel/data/
+    cost.step_bytes of each part - DDP (2 unit), ZeRO-1 (2 unit), ZeRO-2 ((m + 1) unit),
+    ZeRO-3 (3 m unit, 2 m without resharding), unit = Psi_pad (D-1)/D c - with D = dp C for the
+    dense tensors and (dp / ep) C for the experts; a part over one rank moves nothing."""
+    stage = "ddp" if layout.zero == 0 else layout.zero
+    return sum(sum(dp_step_bytes(stage, lays, cfg.dtype, layout.microbatches,
+                                 layout.reshard_after_forward).values())
+               for lays, _ in _parts(cfg, layout, shapes) if lays[0].D > 1)  # fmt: skip
+
+
+def clip_bytes(layout, coords: dict) -> int:
+    """Bytes this rank sends per step for the norm: one float64 ring all-reduce per group of
+    size > 1 - zero 0 over ep, ZeRO over dp x cp (its rank d C + c) - then tp, pp."""
+    if layout.zero == 0:
+        first = (layout.ep, coords["ep"])
+    else:
+        first = (layout.dp * layout.cp, coords["dp"] * layout.cp + coords.get("cp", 0))
+    return sum(ccost.ring_all_reduce(1, n, 8, r)[0] for n, r in
+               (first, (layout.tp, coords["tp"]), (layout.pp, coords["pp"])) if n > 1)  # fmt: skip
 
 
 def tp_bytes(cfg, layout, B: int, S: int, coords: dict) -> int:
@@ -244,19 +224,13 @@ def tp_bytes(cfg, layout, B: int, S: int, coords: dict) -> int:
 
 
 def static_memory(cfg, layout, shapes: dict) -> dict:
-    """Bytes per category of EPAxis's state for local ``shapes``: the master params (+ the
-    compute copy in mixed), AdamW's two moments, and the gradients in the DDP buckets - the
-    replicated tensors' padded to D, the experts' to D / P (their local buffer, unpadded, when
-    edp = 1): parallel/data/cost.static_memory's DDP row with two bucket sets."""
-    c, mi = compute_dtype(cfg.dtype).itemsize, master_dtype(cfg.dtype).itemsize
-    n = sum(math.prod(s) for s in shapes.values())
-    grads = 0
-    for names, D in (([k for k in shapes if not is_expert(k)], layout.dp),
-                     ([k for k in shapes if is_expert(k)], layout.dp // layout.ep)):  # fmt: skip
-        lays = make_buckets({k: shapes[k] for k in names}, D, layout.bucket_cap_mb, c)
-        grads += sum(lay.padded for lay in lays) * c
-    return {
-        "params": n * (mi + c * (cfg.dtype == "mixed")),
-        "grads": grads,
-        "optimizer": 2 * n * mi,
-    }
+    """Bytes per category of ep_axis's state for local ``shapes``: parallel/data/cost.
+    static_memory of each part (its layouts, D = dp C dense, (dp / ep) C experts), summed; under
+    DDP the master params (+ the compute copy in mixed) and AdamW's moments are one set for both
+    parts, and a part over one rank keeps its local gradient unpadded (numel c)."""
+    stage = "ddp" if layout.zero == 0 else layout.zero
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+    for lays, n in _parts(cfg, layout, shapes):
+        for k, v in dp_static(stage, lays, n, cfg.dtype).items():
+            out[k] += v
+    return out

@@ -106,8 +106,12 @@ def check_ep(layout, cfg, *, B=8, S=4, steps=2, groups_fn=None, rerun=False):
             assert run.step_bytes[step]["dp"] + run.step_bytes[step]["edp"] == nd_ep.dp_bytes(
                 cfg, layout, shapes
             ), where
-            clip = sum(ccost.ring_all_reduce(1, n, 8, c)[0] for n, c in ((P, e),
+            # the norm: over ep (DDP: replicas over edp) or dp x cp (ZeRO: distinct shards)
+            C, d, c = layout.cp, run.coords["dp"], run.coords["cp"]
+            first = (P, e) if layout.zero == 0 else (layout.dp * C, d * C + c)
+            clip = sum(ccost.ring_all_reduce(1, n, 8, k)[0] for n, k in (first,
                        (layout.tp, run.coords["tp"]), (layout.pp, run.coords["pp"])) if n > 1)  # fmt: skip
+            assert clip == nd_ep.clip_bytes(layout, run.coords), where
             assert run.step_bytes[step]["clip"] == clip, where
             tp = nd_ep.tp_bytes(cfg, layout, B, S, run.coords)
             assert run.step_bytes[step]["tp"] == tp, (where, run.step_bytes[step], tp)
@@ -204,32 +208,13 @@ def test_mixed_precision_losses_and_bitwise_reproducible(tp, dispatch):
         assert all(np.array_equal(x.local_params[n], y.local_params[n]) for n in x.local_params)
 
 
-def test_planted_bug_expert_grads_not_summed_over_edp_fails(monkeypatch):
-    """Drop the experts' DDP over edp (dp 4 > ep 2): each edp replica keeps its own expert
-    gradient, so the gathered gradients and params disagree with the reference."""
-    init = nd_ep.EPAxis.__init__
-
-    def planted(self, *a, **kw):
-        init(self, *a, **kw)
-        self.eddp = None
-
-    monkeypatch.setattr(nd_ep.EPAxis, "__init__", planted)
-    cfg = _cfg()
-    runs, ref, _ = _run(Layout(dp=4, ep=2, microbatches=2), cfg, 8, 4, 2)
-    problems = compare_run(runs[0], ref, RTOL)[1]
-    assert any(is_expert(p.split()[1].rstrip(":")) for p in problems if p.startswith("grad")), (
-        problems[:4]
-    )
-
-
 def test_planted_bug_replicated_norm_counted_ep_times_fails(monkeypatch):
-    init = nd_ep.EPAxis.__init__
+    real = nd_ep.DataAxis
 
-    def planted(self, *a, **kw):
-        init(self, *a, **kw)
-        self.weights = {n: 1.0 for n in self.weights}
+    def planted(*a, norm_weights, **kw):  # DDP: the dense tensors, replicated over ep, weigh 1
+        return real(*a, norm_weights={n: 1.0 for n in norm_weights}, **kw)
 
-    monkeypatch.setattr(nd_ep.EPAxis, "__init__", planted)
+    monkeypatch.setattr(nd_ep, "DataAxis", planted)
     runs, ref, _ = _run(Layout(dp=2, ep=2), _cfg(), 4, 4, 1)
     assert not np.isclose(runs[0].grad_norms[0], ref.grad_norms[0], rtol=1e-6)
 
@@ -239,7 +224,6 @@ def test_planted_bug_replicated_norm_counted_ep_times_fails(monkeypatch):
     [
         ({"dp": 4, "ep": 3}, _cfg(E=6), "ep=3 must divide dp=4"),
         ({"dp": 4, "ep": 4}, _cfg(E=6), "ep=4 does not divide n_experts=6"),
-        ({"dp": 4, "ep": 2, "zero": 1}, _cfg(), "zero=1 with ep > 1"),
         ({"dp": 2, "ep": 2, "schedule": "zb-h1"}, _cfg(), "ep > 1 with zb-h1"),
         ({"dp": 4, "ep": 2}, dataclasses.replace(_cfg(E=0, K=1), n_experts=0), "needs an MoE model"),
         ({"dp": 4, "ep": 2, "dispatch": "dense"}, _cfg(), "dispatch='dense'"),
@@ -250,3 +234,58 @@ def test_ep_refusals_say_why(kw, cfg, fragment):
     with pytest.raises(ValueError, match="cannot run") as e:
         layout.validate(layout.world, cfg, (8, 4))
     assert fragment in str(e.value), str(e.value)
+
+
+# ---- ZeRO-1/2/3 with ep > 1: dense tensors sharded over dp, experts over edp, one norm ----------
+@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("dp,ep", [(4, 2), (2, 2)])
+def test_zero_x_ep(zero, dp, ep):
+    """Uneven bucket caps (several ZeRO-1 buckets of unequal size), clipping, weight decay, two
+    micro-batches, a dropping capacity factor: every rank vs the reference, ledger bytes by
+    axis vs nd.dp_bytes, the static memory categories vs nd.static_memory."""
+    layout = Layout(dp=dp, ep=ep, zero=zero, microbatches=2, bucket_cap_mb=0.0007)
+    runs, dropped = check_ep(layout, _cfg(E=4, K=2, cf=0.75), B=8, S=4)
+    assert dropped > 0
+    if zero == 1:  # the cap splits both parts into several buckets
+        assert len(runs[0].layouts) > 2, runs[0].layouts
+
+
+@pytest.mark.parametrize("zero,kw", [(3, {"prefetch": True}), (3, {"reshard_after_forward": False}),
+                                     (2, {"recompute": "selective"}), (3, {"recompute": "full"})])  # fmt: skip
+def test_zero_x_ep_x_pp_x_tp_variants(zero, kw):
+    """ZeRO-2/3 per-layer units (a block's dense and expert tensors in two engines, gathered
+    together) with prefetch, without resharding, and recompute, inside pipeline stages and
+    with tp (the experts replicated over tp weigh 1/t in the norm)."""
+    tp = 1 if kw.get("recompute") == "full" else 2
+    layout = Layout(dp=2, ep=2, pp=2, tp=tp, zero=zero, microbatches=2, **kw)
+    check_ep(layout, _cfg(E=4, K=2, cf=0.75, L=4), B=8, S=4, rerun="recompute" in kw
+             and kw["recompute"] == "full")  # fmt: skip
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_planted_bug_experts_summed_over_dp_instead_of_edp_fails(monkeypatch, zero):
+    """The expert part synchronised over the dp group: the ep ranks' different experts summed
+    (DDP) or sharded together (ZeRO) - the expert gradients and params disagree."""
+    real = nd_ep.DataAxis
+
+    def planted(data, *a, parts, **kw):
+        return real(data, *a, parts=[nd_ep.Part(data, p.names, p.label) for p in parts], **kw)
+
+    monkeypatch.setattr(nd_ep, "DataAxis", planted)
+    runs, ref, _ = _run(Layout(dp=4, ep=2, zero=zero, microbatches=2), _cfg(), 8, 4, 2)
+    problems = compare_run(runs[0], ref, RTOL)[1]
+    assert any(is_expert(p.split()[1].rstrip(":")) for p in problems if p.startswith("grad")), (
+        problems[:4]
+    )
+
+
+def test_planted_bug_zero_norm_counted_twice_fails(monkeypatch):
+    """ZeRO: the owned squares reduced over dp AND again over edp: the norm is off."""
+    real = nd_ep.DataAxis
+
+    def planted(data, *a, parts, norm_groups, **kw):
+        return real(data, *a, parts=parts, norm_groups=(parts[1].group, *norm_groups), **kw)
+
+    monkeypatch.setattr(nd_ep, "DataAxis", planted)
+    runs, ref, _ = _run(Layout(dp=4, ep=2, zero=2), _cfg(), 8, 4, 1)
+    assert not np.isclose(runs[0].grad_norms[0], ref.grad_norms[0], rtol=1e-6)
