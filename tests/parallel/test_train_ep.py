@@ -176,23 +176,28 @@ def test_two_routing_groups_per_microbatch_and_full_recompute():
        tp=st.sampled_from([1, 2]), per=st.sampled_from([1, 2]), K=st.integers(1, 3),
        cf=st.sampled_from([0.0, 0.5, 1.0, 2.0]), m=st.sampled_from([1, 2]),
        b=st.sampled_from([1, 2]), sp=st.booleans(),
-       dispatch=st.sampled_from(["exact", "padded"]))  # fmt: skip
-def test_property_layouts_with_ep(ep, edp, pp, tp, per, K, cf, m, b, sp, dispatch):
+       dispatch=st.sampled_from(["exact", "padded"]), zero=st.sampled_from([0, 1, 2, 3]))  # fmt: skip
+def test_property_layouts_with_ep(ep, edp, pp, tp, per, K, cf, m, b, sp, dispatch, zero):
     """Drawn: ep, edp, pp, tp with world <= 8, E = ep or 2 ep, K <= E, cf 0 (everything dropped)
-    .. 2, micro-batches, SP: every rank vs the reference and every byte formula."""
+    .. 2, micro-batches, SP, DDP or ZeRO-1/2/3: every rank vs the reference and every byte and
+    static memory formula."""
     assume(ep * edp * pp * tp <= 8)
     E = per * ep
     layout = Layout(dp=ep * edp, ep=ep, pp=pp, tp=tp, microbatches=m, dispatch=dispatch,
-                    sequence_parallel=sp and tp > 1)  # fmt: skip
+                    sequence_parallel=sp and tp > 1, zero=zero)  # fmt: skip
     check_ep(layout, _cfg(E=E, K=min(K, E), cf=cf, L=2 * pp), B=ep * edp * m * b, S=4, steps=1)
 
 
-@pytest.mark.parametrize("tp,dispatch", [(1, "exact"), (2, "padded")])
-def test_mixed_precision_losses_and_bitwise_reproducible(tp, dispatch):
+@pytest.mark.parametrize(
+    "tp,dispatch,zero", [(1, "exact", 0), (2, "padded", 0), (1, "exact", 2), (1, "padded", 3)]
+)
+def test_mixed_precision_losses_and_bitwise_reproducible(tp, dispatch, zero):
     """bf16 compute: the losses within test_train.py's MoE bound (4e-4 relative; measured
-    1.8e-5 here), and the same layout twice gives the same bits (fixed reduction order)."""
+    1.8e-5 here), and the same layout twice gives the same bits (fixed reduction order);
+    ZeRO: bf16 params / grads on the wire and fp32 master shards - the ledger bytes and the
+    static memory (compute copy + master) equal nd.dp_bytes / nd.static_memory."""
     layout = Layout(dp=4 // tp, ep=2, tp=tp, microbatches=2 if tp == 1 else 1, dtype="mixed",
-                    dispatch=dispatch)  # fmt: skip
+                    dispatch=dispatch, zero=zero)  # fmt: skip
     cfg = dataclasses.replace(_cfg(E=4, K=2, cf=2.0), dtype="mixed")
     batches = lambda s: synthetic_batch(11, s, 8, 4, cfg.vocab_size)
 
@@ -206,6 +211,10 @@ def test_mixed_precision_losses_and_bitwise_reproducible(tp, dispatch):
         assert not compare_losses(x.losses, ref.losses, 4e-4)[1], (x.losses, ref.losses)
         assert x.losses == y.losses
         assert all(np.array_equal(x.local_params[n], y.local_params[n]) for n in x.local_params)
+        shapes = {n: p.shape for n, p in x.local_params.items()}
+        assert x.step_bytes[0]["dp"] + x.step_bytes[0]["edp"] == nd_ep.dp_bytes(cfg, layout, shapes)
+        static = nd_ep.static_memory(cfg, layout, shapes)
+        assert {k: x.memory["current"][k] for k in static} == static, x.memory
 
 
 def test_planted_bug_replicated_norm_counted_ep_times_fails(monkeypatch):
@@ -250,16 +259,22 @@ def test_zero_x_ep(zero, dp, ep):
         assert len(runs[0].layouts) > 2, runs[0].layouts
 
 
-@pytest.mark.parametrize("zero,kw", [(3, {"prefetch": True}), (3, {"reshard_after_forward": False}),
-                                     (2, {"recompute": "selective"}), (3, {"recompute": "full"})])  # fmt: skip
-def test_zero_x_ep_x_pp_x_tp_variants(zero, kw):
+@pytest.mark.parametrize(
+    "zero,kw",
+    [
+        (3, {"prefetch": True, "pp": 2}),
+        (3, {"reshard_after_forward": False, "tp": 2}),
+        (2, {"recompute": "selective", "tp": 2, "sequence_parallel": True}),
+        (3, {"recompute": "full", "pp": 2}),
+    ],
+)
+def test_zero_x_ep_x_pp_or_tp_variants(zero, kw):
     """ZeRO-2/3 per-layer units (a block's dense and expert tensors in two engines, gathered
-    together) with prefetch, without resharding, and recompute, inside pipeline stages and
-    with tp (the experts replicated over tp weigh 1/t in the norm)."""
-    tp = 1 if kw.get("recompute") == "full" else 2
-    layout = Layout(dp=2, ep=2, pp=2, tp=tp, zero=zero, microbatches=2, **kw)
-    check_ep(layout, _cfg(E=4, K=2, cf=0.75, L=4), B=8, S=4, rerun="recompute" in kw
-             and kw["recompute"] == "full")  # fmt: skip
+    together) with prefetch, without resharding, and recompute, inside pipeline stages or with
+    tp (the experts replicated over tp weigh 1/t in the norm); edp = 2, so both parts move."""
+    layout = Layout(dp=4, ep=2, zero=zero, microbatches=2, **kw)
+    L = 4 if kw.get("pp") else 2
+    check_ep(layout, _cfg(E=4, K=2, cf=0.75, L=L), B=8, S=4, rerun=kw.get("recompute") == "full")
 
 
 @pytest.mark.parametrize("zero", [0, 1, 3])
