@@ -183,15 +183,40 @@ def _parts(cfg, layout, shapes: dict) -> list:
     return out
 
 
-def dp_bytes(cfg, layout, shapes: dict) -> int:
-    """Bytes this rank sends per step on dp and edp (ledger "dp" + "edp"): parallel/data/
-    cost.step_bytes of each part - DDP (2 unit), ZeRO-1 (2 unit), ZeRO-2 ((m + 1) unit),
-    ZeRO-3 (3 m unit, 2 m without resharding), unit = Psi_pad (D-1)/D c - with D = dp C for the
-    dense tensors and (dp / ep) C for the experts; a part over one rank moves nothing."""
+def data_bytes(cfg, layout, shapes: dict) -> dict:
+    """{"dp": dense, "edp": experts} bytes this rank sends per step: parallel/data/cost.
+    step_bytes of each part - DDP (2 unit), ZeRO-1 (2 unit), ZeRO-2 ((m + 1) unit), ZeRO-3
+    (3 m unit, 2 m without resharding), unit = Psi_pad (D-1)/D c - with D = dp C for the dense
+    tensors and (dp / ep) C for the experts; a part over one rank moves nothing."""
     stage = "ddp" if layout.zero == 0 else layout.zero
-    return sum(sum(dp_step_bytes(stage, lays, cfg.dtype, layout.microbatches,
-                                 layout.reshard_after_forward).values())
-               for lays, _ in _parts(cfg, layout, shapes) if lays[0].D > 1)  # fmt: skip
+    out = {"dp": 0, "edp": 0}
+    for (lays, _), axis in zip(_parts(cfg, layout, shapes), ("dp", "edp")):
+        if lays[0].D > 1:
+            out[axis] = sum(dp_step_bytes(stage, lays, cfg.dtype, layout.microbatches,
+                                          layout.reshard_after_forward).values())  # fmt: skip
+    return out
+
+
+def dp_bytes(cfg, layout, shapes: dict) -> int:
+    """Bytes this rank sends per step on dp and edp together (data_bytes summed)."""
+    return sum(data_bytes(cfg, layout, shapes).values())
+
+
+def rank_bytes(cfg, layout, B: int, S: int, coords: dict, shapes: dict) -> dict:
+    """Every axis's bytes per step of the rank at ``coords`` (local ``shapes``) but "ep" (whose
+    all-to-alls follow the routing: ep_layer_bytes per layer): dp / edp (data_bytes), tp
+    (tp_bytes), pp and cp (parallel/nd_cost.rank_bytes: ep changes neither the boundary
+    messages nor the attention), clip (clip_bytes)."""
+    generic = nd_cost.rank_bytes(cfg, dataclasses.replace(layout, ep=1), B, S, coords)
+    return (
+        data_bytes(cfg, layout, shapes)
+        | {
+            "tp": tp_bytes(cfg, layout, B, S, coords),
+            "pp": generic["pp"],
+            "clip": clip_bytes(layout, coords),
+        }
+        | ({"cp": generic["cp"]} if layout.cp > 1 else {})
+    )
 
 
 def clip_bytes(layout, coords: dict) -> int:
@@ -210,14 +235,15 @@ def tp_bytes(cfg, layout, B: int, S: int, coords: dict) -> int:
     MoE block's share replaced. Its experts are replicated over tp and run on the full m, so the
     block keeps the attention's f / g (2 all-reduces of (b, S, H); SP: AG + RS both ways) and
     only the entry of m: none without SP, an all-gather forward and of dy backward with it. So
-    per block and micro-batch, against nd_cost's 4 ar + gates: (2 - sp) ar + gates fewer."""
+    per block and micro-batch, against nd_cost's 4 ar + gates: (2 - sp) ar + gates fewer
+    (cp: on the rank's S / C positions)."""
     t, m, sp = layout.tp, layout.microbatches, layout.sequence_parallel
     if t == 1:
         return 0
-    b = B // (layout.dp * m)
+    b, S_l = B // (layout.dp * m), S // layout.cp  # cp: this rank's S / C positions
     generic = nd_cost.rank_bytes(cfg, dataclasses.replace(layout, ep=1), B, S, coords)["tp"]
-    rows = tp_cost.layer_rows(cfg, b, S, t, sp=sp, regather=layout.regather, rank=coords["tp"])
-    ar = tp_cost.hidden_all_reduce_bytes(cfg, b, S, t)
+    rows = tp_cost.layer_rows(cfg, b, S_l, t, sp=sp, regather=layout.regather, rank=coords["tp"])
+    ar = tp_cost.hidden_all_reduce_bytes(cfg, b, S_l, t)
     n_blocks = len({n.split(".")[1] for n in nd_cost.local_shapes(cfg, layout, coords["pp"])
                     if n.startswith("blocks.")})  # fmt: skip
     return generic - m * n_blocks * ((2 - sp) * ar + rows["gates"])

@@ -21,7 +21,6 @@ def test_one_error_names_every_problem_and_what_would_fit():
     for fragment in (
         "dp*pp*cp*tp = 2*4*2*3 = 48 but the world has 8 ranks",
         "cp > 1 with sequence_parallel",  # cp (and S=5 into 4 zigzag chunks)
-        "ep=2 with cp=2",  # ep and cp together
         "ep=2 needs an MoE model",  # ep
         "tp=3 does not divide n_heads=2",
         "tp could be one of [1, 2]",
@@ -31,7 +30,7 @@ def test_one_error_names_every_problem_and_what_would_fit():
         "S=5 is not divisible by tp=3",
     ):  # fmt: skip
         assert fragment in msg, (fragment, msg)
-    assert msg.count("\n  - ") == 12  # one line per problem (d_ff, d_model, cp S, ep x cp too)
+    assert msg.count("\n  - ") == 11  # one line per problem (d_ff, d_model, cp S too)
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,8 @@ from emulator.data import synthetic_batch
 from emulator.model import ModelConfig
 from emulator.reference import reference_train
 from parallel import Layout
+from parallel.context.layout import table
+from parallel.context.train import routing_groups
 from parallel.expert import nd as nd_ep
 from parallel.expert.cost import PHASES
 from parallel.expert.sync import is_expert
@@ -42,8 +44,13 @@ def _cfg(E=4, K=2, cf=0.75, L=2):
 def _run(layout, cfg, B, S, steps, groups_fn=None):
     """-> (runs, reference, per rank {(step, tag): sent} of its ep/ and edp/ records)."""
     batches = lambda s: synthetic_batch(11, s, B, S, cfg.vocab_size)
+    ref_groups = groups_fn
+    if layout.cp > 1:  # each cp rank's tokens of a micro-batch: one routing group
+        tab = table(S, layout.cp, layout.cp_balance)
+        ref_groups = lambda step, j, b, s: routing_groups(b, s, tab)
     ref = reference_train(cfg, 0, batches, steps, microbatches=layout.dp * layout.microbatches,
-                          max_norm=0.3, groups_fn=groups_fn, **HYPER)  # fmt: skip
+                          max_norm=0.3, groups_fn=ref_groups, recompute=layout.recompute,
+                          **HYPER)  # fmt: skip
 
     def main(comm):
         mark = comm.ledger.mark()
@@ -85,7 +92,7 @@ def check_ep(layout, cfg, *, B=8, S=4, steps=2, groups_fn=None, rerun=False):
             for layer, mb in keys:
                 kept = np.stack([q.ep_counts[step][(layer, mb)][0] for q in group])
                 C = run.ep_counts[step][(layer, mb)][1]
-                N = B // (layout.dp * layout.microbatches) * S  # tokens of the micro-batch
+                N = B // (layout.dp * layout.microbatches) * S // layout.cp  # this rank's tokens
                 dropped += cfg.moe_top_k * N - int(kept[e].sum())
                 f = nd_ep.ep_layer_bytes(layout.dispatch, kept, C, cfg.d_model, itemsize, e)
                 for ph in PHASES:  # the ledger per layer, micro-batch and phase
@@ -103,9 +110,9 @@ def check_ep(layout, cfg, *, B=8, S=4, steps=2, groups_fn=None, rerun=False):
                     total += got
             assert run.step_bytes[step]["ep"] == total
             shapes = {n: a.shape for n, a in run.local_params.items()}
-            assert run.step_bytes[step]["dp"] + run.step_bytes[step]["edp"] == nd_ep.dp_bytes(
-                cfg, layout, shapes
-            ), where
+            want = nd_ep.rank_bytes(cfg, layout, B, S, run.coords, shapes)
+            assert {k: run.step_bytes[step][k] for k in want} == want, (where, run.step_bytes)
+            assert want["dp"] + want["edp"] == nd_ep.dp_bytes(cfg, layout, shapes)
             # the norm: over ep (DDP: replicas over edp) or dp x cp (ZeRO: distinct shards)
             C, d, c = layout.cp, run.coords["dp"], run.coords["cp"]
             first = (P, e) if layout.zero == 0 else (layout.dp * C, d * C + c)
@@ -304,3 +311,54 @@ def test_planted_bug_zero_norm_counted_twice_fails(monkeypatch):
     monkeypatch.setattr(nd_ep, "DataAxis", planted)
     runs, ref, _ = _run(Layout(dp=4, ep=2, zero=2), _cfg(), 8, 4, 1)
     assert not np.isclose(runs[0].grad_norms[0], ref.grad_norms[0], rtol=1e-6)
+
+
+# ---- cp x ep: the ep group drawn from the dp ranks at the same cp coordinate ------------------
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"dp": 2, "ep": 2, "cp": 2},
+        {"dp": 2, "ep": 2, "cp": 2, "zero": 1, "cp_method": "all-gather", "dispatch": "padded"},
+        {"dp": 4, "ep": 2, "cp": 2, "zero": 2, "cp_method": "ulysses", "cp_balance": "contiguous"},
+        {"dp": 4, "ep": 2, "cp": 2, "zero": 3, "recompute": "full"},
+        {"dp": 4, "ep": 2, "cp": 2, "zero": 0, "microbatches": 1},
+        {"dp": 2, "ep": 2, "cp": 2, "tp": 2, "zero": 3, "prefetch": True},
+        {"dp": 2, "ep": 2, "cp": 2, "pp": 2, "zero": 2},
+    ],
+)
+def test_cp_x_ep(kw):
+    """Each cp rank's tokens of a micro-batch are one routing group (handed to the reference
+    via parallel.context.train.routing_groups); dense gradients over dp x cp, expert gradients
+    over edp x cp; every rank vs the reference, every axis's bytes vs nd.rank_bytes (cp: the
+    attention formula), the all-to-alls per layer vs the routing counts, static memory."""
+    kw = {"microbatches": 2, **kw}
+    layout = Layout(**kw)
+    L = 4 if layout.pp > 1 else 2
+    _, dropped = check_ep(layout, _cfg(E=4, K=2, cf=0.75, L=L), B=8, S=8,
+                          rerun=layout.recompute == "full")  # fmt: skip
+    assert dropped > 0
+
+
+def test_planted_bug_cp_experts_summed_over_edp_only_fails(monkeypatch):
+    """cp x ep with the experts' group edp alone, not edp x cp: the cp ranks' expert gradients
+    (of different tokens) are never summed - the expert gradients disagree."""
+
+    class EdpOnly:  # the ep mesh, answering group("edp", "cp") with the edp group
+        def __init__(self, mesh):
+            self.mesh = mesh
+
+        def group(self, *axes):
+            return self.mesh.group("edp")
+
+        def __getitem__(self, axis):
+            return self.mesh[axis]
+
+    real = nd_ep.ep_axis
+    monkeypatch.setattr(
+        nd_ep, "ep_axis", lambda data, mesh, *a, **kw: real(data, EdpOnly(mesh), *a, **kw)
+    )
+    runs, ref, _ = _run(Layout(dp=2, ep=2, cp=2, microbatches=2), _cfg(), 8, 8, 1)
+    problems = compare_run(runs[0], ref, RTOL)[1]
+    assert any(is_expert(p.split()[1].rstrip(":")) for p in problems if p.startswith("grad")), (
+        problems[:4]
+    )
