@@ -23,9 +23,10 @@ DP / ZeRO on the dp x cp group, C routing groups per micro-batch (each cp rank's
 Ledger tags, one prefix per axis: dp/grads*, dp/params*, dp/clip; tp/<layer>/mb<j>/<fwd|bwd>,
 tp/sp-grads/<layer>/mb<j>; pp/act/mb<j>, pp/grad/mb<j>; cp: any tag containing cp-attn/.
 parallel/nd_cost.py has the formulas.
-ep > 1 (parallel/expert/nd.py): experts E/ep per rank over the ep group drawn from dp, hooks
-EPAxis (replicated grads DDP over dp, expert grads over edp: edp/dp/grads*), all-to-alls under
-ep/<layer>/mb<j>/<fwd|bwd>/<phase>; formulas nd.ep_layer_bytes, dp_bytes, tp_bytes.
+ep > 1 (parallel/expert/nd.py): experts E/ep per rank over the ep group drawn from dp (at the
+same cp coordinate), hooks nd.ep_axis (a DataAxis of two parts: dense tensors over dp (x cp),
+experts over edp (x cp): edp/dp/*, DDP or ZeRO-1/2/3, one norm), all-to-alls under
+ep/<layer>/mb<j>/<fwd|bwd>/<phase>; formulas nd.ep_layer_bytes, rank_bytes, static_memory.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class NDRun:
     in_flight: int  # peak micro-batch units alive on this stage
     layouts: list  # the dp flat buffers (DDP buckets, ZeRO buckets or per-layer units)
     mesh: str  # Mesh.describe()
-    replica_mismatch: list  # "param/grad <name>" of tp-replicated tensors whose copies differ
+    replica_mismatch: list  # "param/grad <name>..." of tp- or dp/ep/edp-replicated tensors whose
+    # copies differ bitwise (tp: replica_mismatch; dp parts: DataAxis.replica_mismatch)
     act_bytes: dict = dataclasses.field(default_factory=dict)  # per block: bytes after forward
     positions: object = None  # cp: the last step's (C, S_local) positions table
     # ep > 1: per step {(layer, mb): (kept (E,), C)}: this rank's kept copies per expert and slot
@@ -197,6 +199,8 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
         every = tp.allgather_object((lp, lg))  # uncounted: the check, not the training
         # every tp rank computes the replicated tensors identically: their copies agree bitwise
         run.replica_mismatch = replica_mismatch(every, plan) if lg else []
+        # and over each data-parallel part's group (dp (x cp); ep runs: the experts over edp)
+        run.replica_mismatch += axis.replica_mismatch()
         stage_p = unshard([e[0] for e in every], plan)
         stage_g = unshard([e[1] for e in every], plan) if lg else {}
         if ep is not None:  # the experts back to E along axis 0, ep coordinates in order

@@ -35,6 +35,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import numpy as np
+
 from emulator import scope
 from emulator.model import to_compute
 from emulator.optim import AdamW
@@ -222,6 +224,33 @@ class DataAxis(Accumulate):
                 grads |= engine.full_grads() if engine.step_count else {}
             return {n: params[n] for n in self.master}, grads
         return {n: p.copy() for n, p in self.master.items()}, self.last_grads
+
+    def replicas(self) -> tuple[dict, dict]:
+        """(params, grads) this rank holds as its OWN copy of tensors replicated over its
+        part's group: DDP the master params and the summed gradients; ZeRO-1/2 the all-gathered
+        compute parameters (the gradient shards are distinct); ZeRO-3 nothing."""
+        if self.zero == 0:
+            return self.master, self.last_grads
+        return (self.params if self.zero < 3 else {}), {}
+
+    def replica_mismatch(self) -> list[str]:
+        """ "param|grad <name> over <group>" for every replicated tensor whose copies on the
+        ranks of its part's group are not bitwise equal (uncounted; collective over each
+        part's group). Every copy comes from the same summed gradient (a ring all-reduce or
+        all-gather hands every rank the same bits) and the same AdamW, so any difference is a
+        rank that skipped, repeated or corrupted an update."""
+        bad, (params, grads) = [], self.replicas()
+        for part in self.parts:
+            mine = [{n: d[n] for n in part.names if n in d} for d in (params, grads)]
+            every = part.group.allgather_object(mine)
+            where = part.label or "dp"
+            for i, what in enumerate(("param", "grad")):
+                for n, x in every[0][i].items():
+                    diff = [r for r, e in enumerate(every) if not np.array_equal(x, e[i][n])]
+                    bad += [f"{what} {n} over {where} (group ranks {diff} differ from 0)"] * bool(
+                        diff
+                    )
+        return bad
 
     def close(self) -> None:
         for engine in self.engines:

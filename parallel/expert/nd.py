@@ -10,11 +10,25 @@ tokens: the routing groups stay the spec's default, one per micro-batch per dp r
 A rank holds experts e El .. (e+1) El - 1 of every MoE block of its stage; router and everything
 else replicated over ep (or sharded by the other axes as before).
 
-Gradients (as parallel/expert/sync.py): replicated ones summed over dp (one DDP over the dp
-group, tags dp/grads/bucket*), expert ones over edp (a second DDP over the edp group, tags
-edp/dp/grads/bucket*): the all-to-alls already brought every ep rank's token copies to the expert.
-Clipping: one norm, squares reduced over ep, then tp, pp; the replicated gradients (identical
-over ep after DDP) weigh 1/P so they count once, tp-replicated ones 1/t as before.
+Context parallelism (cp = C > 1): the ep group is drawn from the dp ranks at the SAME cp
+coordinate (ep | dp; Megatron-core's expert group inside its dp-cp group), and each cp rank's
+tokens of a micro-batch are one routing group (what parallel.train does for MoE under cp; the
+reference gets them from parallel.context.train.routing_groups): an ep rank sends its own S/C
+positions' token copies to the experts' owners and the cp ranks never exchange tokens.
+
+Gradients and optimizer (ep_axis: parallel/data/axis.py's DataAxis with two parts): replicated
+ones summed over dp (x cp) (tags dp/grads*, dp/params*), expert ones over edp (x cp) (tags
+edp/dp/grads*, edp/dp/params*; memory names "edp.<name>"): the all-to-alls already brought every
+ep rank's token copies to the expert; the cp ranks hold other tokens, so their gradients are
+summed as over dp. zero 0: two DDPs; zero 1/2/3: two ZeroOptimizers of the same stage, the
+dense tensors sharded D C ways, the experts Q C ways; ZeRO-2/3 one unit per layer and engine (a
+block's dense and expert tensors), ZeRO-3 gathering both before the layer's forward / backward.
+Clipping: ONE norm. DDP: squares over ep (the replicated gradients, identical over ep after the
+sum, weigh 1/P), then tp (1/t for tp-replicated tensors, the experts among them), pp. ZeRO: dp
+rank (q, e) at cp rank c owns a distinct shard of the dense tensors and a distinct shard of
+expert group e's experts, so the owned squares summed over dp x cp count every element once;
+then tp (1/t), pp. Bytes: data_bytes / dp_bytes (both parts, every stage), clip_bytes, tp_bytes,
+rank_bytes (every axis but ep); static_memory (every stage), all = the ledgers on every rank.
 Ledger: every all-to-all of layer L, micro-batch j under "ep/<L>/mb<j>/<fwd|bwd>/<phase>",
 phases as parallel/expert/cost.py (counts, dispatch, combine), whatever scope is open around it.
 """

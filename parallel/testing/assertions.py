@@ -102,8 +102,8 @@ def check_layout(layout_or_fn, cfg, world_size: int | None = None, *, steps: int
 
 def _train_layout(layout, comm, cfg, seed, batches, steps, **optim):
     run = train(comm, layout, cfg, batches, steps, seed, **optim)
-    if run.replica_mismatch:  # tp-replicated copies must be the same bits on every tp rank
-        raise AssertionError(f"rank {comm.rank}: tp replicas differ: {run.replica_mismatch}")
+    if run.replica_mismatch:  # tp- / dp-replicated copies must be the same bits on every rank
+        raise AssertionError(f"rank {comm.rank}: replicas differ: {run.replica_mismatch}")
     return run
 
 

@@ -31,6 +31,7 @@ from parallel.expert.cost import PHASES
 from parallel.expert.sync import is_expert
 from parallel.tensor.block import megatron_plan
 from parallel.tensor.shard import shard
+from parallel.testing import check_layout
 
 HYPER = {"weight_decay": 0.1, "betas": (0.8, 0.9), "eps": 1e-7, "lr": 3e-3}
 RTOL = 1e-12
@@ -362,3 +363,49 @@ def test_planted_bug_cp_experts_summed_over_edp_only_fails(monkeypatch):
     assert any(is_expert(p.split()[1].rstrip(":")) for p in problems if p.startswith("grad")), (
         problems[:4]
     )
+
+
+# ---- bitwise replica checks: experts over edp, dense tensors over dp (ep) ----------------------
+@pytest.mark.parametrize(
+    "zero,label,name,cp",
+    [(0, "edp", "blocks.1.moe.w1", 1), (0, "", "blocks.0.moe.router", 1),
+     (1, "edp", "blocks.0.moe.b2", 1), (2, "", "head.w", 1), (0, "edp", "blocks.0.moe.w2", 2)],
+)  # fmt: skip
+def test_planted_replica_divergence_is_named(monkeypatch, zero, label, name, cp):
+    """One replica's copy moved by one ulp after the last step (group rank 1 of the part's
+    group: an edp (x cp) replica of the experts, a dp replica of a dense tensor): within the
+    reference's 1e-12 everywhere, yet NDRun.replica_mismatch names the tensor on every rank
+    of the group - and a clean run names nothing (the other tests)."""
+    real = nd_ep.ep_axis
+
+    def axis(*a, **kw):
+        ax = real(*a, **kw)
+        finish, k = ax.finish_step, [p.label for p in ax.parts].index(label)
+
+        def planted():
+            norm = finish()
+            if ax.parts[k].group.rank == 1:
+                held = ax.replicas()[0][name]  # DDP: the master; ZeRO-1/2: the compute copy
+                held.flat[0] = np.nextafter(held.flat[0], np.inf)
+            return norm
+
+        ax.finish_step = planted
+        return ax
+
+    monkeypatch.setattr(nd_ep, "ep_axis", axis)
+    layout = Layout(dp=4, ep=2, cp=cp, zero=zero, microbatches=2)
+    runs, ref, _ = _run(layout, _cfg(), 8, 4 * cp, 1)
+    where = "edp" if label else "dp"
+    named = [r for r in runs if any(m.startswith(f"param {name} over {where} (group ranks [1]")
+                                    for m in r.replica_mismatch)]  # fmt: skip
+    # every group's rank 1 was moved, so every rank of the world sees it in its group
+    assert len(named) == layout.world, [r.replica_mismatch for r in runs]
+    assert all(not compare_run(r, ref, RTOL)[1] for r in runs)  # 1 ulp: the tolerance misses it
+
+
+def test_check_layout_zero3_x_ep():
+    """The public assertion (parallel.testing.check_layout) on a ZeRO-3 x ep layout: every
+    rank's losses, gradients and params vs the reference, and its replicas bitwise."""
+    worst = check_layout(Layout(dp=4, ep=2, zero=3, microbatches=2), _cfg(), steps=2, batch=8,
+                         seq=4, weight_decay=0.1, max_norm=0.3)  # fmt: skip
+    assert worst["param"] < RTOL, worst
