@@ -3,6 +3,8 @@
     python -m emulator run -n 8 examples/06_nd_mesh.py --dp 2 --pp 2 --tp 2 --zero 3 --sequence-parallel
     python -m emulator run -n 8 examples/06_nd_mesh.py --zero 1 --schedule interleaved --chunks 2
     mpiexec -n 8 python examples/06_nd_mesh.py --dp 2 --pp 2 --tp 2 --zero 2 --moe
+    python -m emulator run -n 8 examples/06_nd_mesh.py --dp 4 --ep 2 --tp 1 --zero 3
+    python -m emulator run -n 8 examples/06_nd_mesh.py --dp 2 --ep 2 --cp 2 --tp 1 --zero 1
     python -m emulator run -n 8 examples/06_nd_mesh.py --svg nd.svg --json nd.json --seed 1
 
 parallel.train runs the Layout on every rank: the pipeline executor drives each stage's layers
@@ -16,6 +18,11 @@ axis's own formula on its share); its static memory by category (and ZeRO-2/3 pe
 formulas, and its peak activation bytes beside the pipeline's in-flight formula with TP/SP
 units (parallel/nd_cost.rank_peak_activations). Prints the Layout, the mesh's groups, both tables and a VERDICT line; exits 1 on any
 mismatch.
+--ep P (expert parallelism, MoE with E = 2 P experts, K = 2, capacity factor 1: tokens drop)
+and --cp C (context parallelism, ring attention; each cp rank's tokens one routing group, the
+reference given the same groups) compose with every other flag; their rows add the ep / edp / cp
+axes (parallel/expert/nd.py rank_bytes and ep_step_bytes from the ep group's routing counts,
+static_memory); the peak formulas of ep / cp runs are not printed (not written for them yet).
 --svg PATH writes the pipeline timeline (the executed per-stage orders replayed under unit costs)
 to PATH and the per-axis communication matrix (bytes each rank sent to each rank, from the
 ledger) to PATH with -comm.svg; --json PATH every rank's ledger totals and memory and the verdict.
@@ -33,8 +40,12 @@ from emulator.check import compare, compare_run
 from emulator.data import synthetic_batch
 from emulator.ledger import format_table
 from emulator.model import ModelConfig
+from emulator.precision import compute_dtype
 from emulator.reference import reference_train
 from parallel import Layout, nd_cost
+from parallel.context.layout import table
+from parallel.context.train import routing_groups
+from parallel.expert import nd as nd_ep
 from parallel.pipeline.bubble import Cost, replay
 from parallel.pipeline.schedules import Schedule, make_schedule
 from parallel.tensor.block import megatron_plan
@@ -43,7 +54,7 @@ from tools import args as cli
 from tools.run import progress, rank_report, record, run_example, say_verdict
 
 p_ = cli.parser(__doc__)
-for axis, default in (("dp", 2), ("pp", 2), ("tp", 2)):
+for axis, default in (("dp", 2), ("pp", 2), ("tp", 2), ("ep", 1), ("cp", 1)):
     p_.add_argument(f"--{axis}", type=cli.positive_int, default=default, help=f"{axis} degree")
 p_.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="0 = DDP")
 p_.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1"])
@@ -92,13 +103,15 @@ HYPER = {"lr": 3e-3, "betas": (0.85, 0.95), "eps": 1e-7, "weight_decay": 0.05}
 
 def setup():
     a = ARGS
-    layout = Layout(dp=a.dp, pp=a.pp, tp=a.tp, zero=a.zero, sequence_parallel=a.sequence_parallel,
+    layout = Layout(dp=a.dp, pp=a.pp, tp=a.tp, ep=a.ep, cp=a.cp, zero=a.zero,
+                    sequence_parallel=a.sequence_parallel,
                     schedule=a.schedule, chunks=a.chunks, microbatches=a.microbatches,
                     recompute=a.recompute, reshard_after_forward=not a.no_reshard,
                     prefetch=a.prefetch)  # fmt: skip
+    E = 2 * a.ep if a.ep > 1 else 2 if a.moe else 0  # ep: E = 2 P, top-2 of them, drops
     cfg = ModelConfig(vocab_size=a.vocab, max_seq_len=max(16, a.seq), d_model=a.d_model,
-                      n_heads=a.heads, n_layers=a.layers, n_experts=2 if a.moe else 0,
-                      moe_top_k=2, capacity_factor=2.0)  # fmt: skip
+                      n_heads=a.heads, n_layers=a.layers, n_experts=E, moe_top_k=2,
+                      capacity_factor=2.0 if a.ep == 1 else 1.0)  # fmt: skip
     B, S = a.batch, a.seq
     return layout, cfg, B, S, lambda step: synthetic_batch(5 + a.seed, step, B, S, cfg.vocab_size)
 
@@ -108,21 +121,38 @@ def main(comm) -> int:
     clip = ARGS.max_norm or None
     run = parallel.train(comm, layout, cfg, progress(batches, ARGS.steps), ARGS.steps,
                          seed=ARGS.seed, max_norm=clip, **HYPER)  # fmt: skip
-    ref = reference_train(cfg, ARGS.seed, batches, ARGS.steps,
+    tab = table(S, layout.cp, layout.cp_balance)  # cp: each cp rank's tokens, one group
+    groups = (
+        (lambda step, j, b, s: routing_groups(b, s, tab)) if cfg.is_moe and ARGS.cp > 1 else None
+    )
+    ref = reference_train(cfg, ARGS.seed, batches, ARGS.steps, groups_fn=groups,
                           microbatches=layout.dp * layout.microbatches, max_norm=clip, **HYPER)  # fmt: skip
     worst, fails = compare_run(run, ref, RTOL)
-    t, r = layout.tp, run.coords["tp"]
-    plan = megatron_plan(cfg)
+    fails += [f"replicas differ: {x}" for x in run.replica_mismatch]
+    t, r, P, El = layout.tp, run.coords["tp"], layout.ep, cfg.n_experts // layout.ep
+    plan = nd_ep.expert_plan(megatron_plan(cfg)) if P > 1 else megatron_plan(cfg)
     for what, mine, full in (("param", run.local_params, ref.params),
                              ("grad", run.local_grads, ref.grads)):  # fmt: skip
+        if P > 1:  # this ep rank's E / P experts
+            full = nd_ep.shard_experts({n: full[n] for n in mine}, run.coords["ep"], El)
         want = shard({n: full[n] for n in mine}, plan, r, t)
         fails += [f"own {what} shards: {x}" for x in compare(mine, want, RTOL, what)[1]]
     s = run.coords["pp"]
-    bytes_want = nd_cost.rank_bytes(cfg, layout, B, S, run.coords)
-    static = nd_cost.rank_static_memory(cfg, layout, s)
-    peak = nd_cost.rank_peak_memory(cfg, layout, s)
-    peak = {k: v for k, v in peak.items() if layout.zero >= 2}  # ZeRO-2/3: transient state
-    if not (cfg.is_moe and layout.schedule == "zb-h1"):  # no formula for an MoE block's W stash
+    if P > 1:  # parallel/expert/nd.py: two parts, the all-to-alls from the ep group's counts
+        shapes = {n: a.shape for n, a in run.local_params.items()}
+        bytes_want = nd_ep.rank_bytes(cfg, layout, B, S, run.coords, shapes)
+        key = tuple(run.coords[x] for x in ("edp", "pp", "cp", "tp"))
+        mine = comm.allgather_object((key, run.coords["ep"], run.ep_counts[-1]))  # uncounted
+        group = [c for k, _, c in sorted(x for x in mine if x[0] == key)]  # ep order
+        bytes_want["ep"] = nd_ep.ep_step_bytes(layout.dispatch, group, run.coords["ep"], cfg.d_model,
+                                               compute_dtype(cfg.dtype).itemsize)  # fmt: skip
+        static, peak = nd_ep.static_memory(cfg, layout, shapes), {}
+    else:
+        bytes_want = nd_cost.rank_bytes(cfg, layout, B, S, run.coords)
+        static = nd_cost.rank_static_memory(cfg, layout, s)
+        peak = nd_cost.rank_peak_memory(cfg, layout, s)
+        peak = {k: v for k, v in peak.items() if layout.zero >= 2 and layout.cp == 1}  # ZeRO-2/3
+    if not (cfg.is_moe and layout.schedule == "zb-h1") and P == layout.cp == 1:  # MoE W stash
         peak["activations"] = nd_cost.rank_peak_activations(cfg, layout, B, S, s)
     got_static = {k: run.memory["current"][k] for k in static}
     got_peak = {k: run.memory["peak"][k] for k in peak}
@@ -143,10 +173,11 @@ def main(comm) -> int:
         return 0 if not fails else 1
     print(layout)
     print(run.mesh)
-    axes = ("dp", "tp", "pp", "clip")
-    print(format_table(["rank", "dp,pp,tp", *(f"{x} sent/formula" for x in axes), "total"],
-                       [[g, f"{c['dp']},{c['pp']},{c['tp']}", *(f"{b[x]} / {w[x]}" for x in axes),
-                         sum(b.values())] for g, c, b, w, *_ in rows]))  # fmt: skip
+    axes = ("dp", "tp", "pp", "clip") + ("ep", "edp") * (layout.ep > 1) + ("cp",) * (layout.cp > 1)
+    print(format_table(["rank", "dp,pp,cp,tp", *(f"{x} sent/formula" for x in axes), "total"],
+                       [[g, f"{c['dp']},{c['pp']},{c['cp']},{c['tp']}",
+                         *(f"{b[x]} / {w[x]}" for x in axes), sum(b.values())]
+                        for g, c, b, w, *_ in rows]))  # fmt: skip
     cats = ("params", "grads", "optimizer")
     print(format_table(["rank", *(f"static {x} ledger/formula" for x in cats),
                         "peak [params; grads (ZeRO-2/3);] activations ledger/formula"],
@@ -161,6 +192,7 @@ def main(comm) -> int:
         print("MISMATCH:", f)
     w = {k: max(row[9][k] for row in rows) for k in ("loss", "grad", "param")}
     total = sum(sum(row[2].values()) for row in rows)
+    peaks = " and peak activations" if "activations" in rows[0][7] else ""
     pictures = pictures_of(rows, sent_to, want_order, layout) if ARGS.svg else []
     for pic in pictures:
         print(f"SVG: {pic}")
@@ -170,7 +202,7 @@ def main(comm) -> int:
     say_verdict(every, f"{layout} on all {comm.world_size} ranks, {ARGS.steps} steps vs the "
                   f"reference (rtol {RTOL:.0e}): loss {w['loss']:.1e}, grad {w['grad']:.1e}, "
                   f"param {w['param']:.1e}, own shards too; bytes by axis = formula on every rank "
-                  f"({total} B/step in all); static memory and peak activations = formula")  # fmt: skip
+                  f"({total} B/step in all); static memory{peaks} = formula")  # fmt: skip
     return 0 if not every else 1
 
 
@@ -194,5 +226,5 @@ if __name__ == "__main__":
     bad = lay.problems(lay.world, c, (b, s))
     if bad:
         p_.error(f"{lay} cannot run: " + "; ".join(bad))
-    cli.check_world(p_, lay.world, f"--dp {lay.dp} x --pp {lay.pp} x --tp {lay.tp}")
+    cli.check_world(p_, lay.world, f"--dp {lay.dp} x --pp {lay.pp} x --cp {lay.cp} x --tp {lay.tp}")
     sys.exit(run_example(main, ARGS, world_size=lay.world))

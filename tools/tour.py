@@ -56,6 +56,8 @@ RUNS = [
     ),
     ("06_nd_mesh.py", 8, ["--zero", "2", "--schedule", "interleaved", "--chunks", "2", "--moe"]),
     ("06_nd_mesh.py", 8, ["--dp", "2", "--pp", "2", "--tp", "2", "--zero", "2", "--svg", "nd.svg"]),
+    ("06_nd_mesh.py", 8, ["--dp", "4", "--ep", "2", "--tp", "1", "--zero", "3"]),  # ZeRO x ep
+    ("06_nd_mesh.py", 8, ["--dp", "2", "--ep", "2", "--cp", "2", "--tp", "1", "--zero", "1"]),
     ("07_expert_parallel.py", 4, ["--ep", "4", "--experts", "8", "--top-k", "2"]),
     ("07_expert_parallel.py", 4, ["--ep", "4", "--dispatch", "padded"]),
     ("07_expert_parallel.py", 8, ["--dp", "2", "--ep", "4", "--top-k", "3", "--grad-sync", "ddp"]),

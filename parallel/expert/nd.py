@@ -178,6 +178,20 @@ def ep_layer_bytes(dispatch: str, kept, C: int, H: int, itemsize: int, rank: int
     return ep_cost.layer_bytes(dispatch, np.asarray(kept), C, H, itemsize, rank)
 
 
+def ep_step_bytes(dispatch: str, group_counts: list, e: int, H: int, itemsize: int,
+                  rerun: bool = False) -> int:
+    """Bytes ep rank ``e`` sends on the ep axis in one step: ep_layer_bytes of every MoE layer
+    and micro-batch, from ``group_counts`` - its ep group's NDRun.ep_counts[step] in ep order
+    ({(layer, mb): (kept (E,), C)}) - summed over the phases; ``rerun`` (recompute="full") runs
+    the forward's all-to-alls twice."""
+    total = 0
+    for key, (_, C) in group_counts[e].items():
+        kept = np.stack([g[key][0] for g in group_counts])  # (P, E)
+        for ph, (sent, _) in ep_layer_bytes(dispatch, kept, C, H, itemsize, e).items():
+            total += sent * (2 if rerun and ph.startswith("fwd") else 1)
+    return total
+
+
 def _parts(cfg, layout, shapes: dict) -> list:
     """[(layouts, numel)] of ep_axis's two parts for local ``shapes``: the dense tensors over
     D C ranks, the experts over (D / P) C (C = cp); DDP / ZeRO-1 buckets (make_buckets) or,

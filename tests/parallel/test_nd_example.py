@@ -52,3 +52,32 @@ def test_the_example_fails_on_a_wrong_formula():
                           text=True, timeout=600, env=env, cwd=ROOT)  # fmt: skip
     assert proc.returncode == 1, proc.stdout[-1500:] + proc.stderr[-1500:]
     assert "VERDICT: FAIL" in proc.stdout and "bytes pp" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args,plant",
+    [
+        (["--dp", "4", "--ep", "2", "--tp", "1", "--zero", "3"], None),
+        (["--dp", "2", "--ep", "2", "--cp", "2", "--tp", "1", "--zero", "1"], None),
+        (["--dp", "2", "--ep", "2", "--cp", "2", "--tp", "1"], "ep_step_bytes"),
+        (["--dp", "4", "--ep", "2", "--tp", "1", "--zero", "2"], "static_memory"),
+    ],
+)
+def test_zero_x_ep_and_cp_x_ep_rows(args, plant):
+    """The tour's ZeRO x ep and cp x ep rows pass; planted: the ep all-to-all formula one byte
+    high, or the ep static-memory formula's grads one byte high -> VERDICT: FAIL, exit 1."""
+    code = "import runpy, sys\nimport parallel.expert.nd as nd\n"
+    if plant == "ep_step_bytes":
+        code += "f = nd.ep_step_bytes\nnd.ep_step_bytes = lambda *a: f(*a) + 1\n"
+    if plant == "static_memory":
+        code += "g = nd.static_memory\nnd.static_memory = lambda *a: {**g(*a), 'grads': g(*a)['grads'] + 1}\n"
+    code += f"sys.argv = ['06', *{args!r}]\nrunpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                          text=True, timeout=600, env=env, cwd=ROOT)  # fmt: skip
+    out = proc.stdout[-1500:] + proc.stderr[-1500:]
+    if plant is None:
+        assert proc.returncode == 0 and "VERDICT: PASS" in proc.stdout, out
+    else:
+        assert proc.returncode == 1 and "VERDICT: FAIL" in proc.stdout, out
+        assert ("bytes ep" if plant == "ep_step_bytes" else "static memory grads") in proc.stdout

@@ -110,6 +110,8 @@ def check_ep(layout, cfg, *, B=8, S=4, steps=2, groups_fn=None, rerun=False):
                     )
                     total += got
             assert run.step_bytes[step]["ep"] == total
+            counts = [q.ep_counts[step] for q in group]
+            assert total == nd_ep.ep_step_bytes(layout.dispatch, counts, e, cfg.d_model, 8, rerun)
             shapes = {n: a.shape for n, a in run.local_params.items()}
             want = nd_ep.rank_bytes(cfg, layout, B, S, run.coords, shapes)
             assert {k: run.step_bytes[step][k] for k in want} == want, (where, run.step_bytes)
