@@ -181,20 +181,23 @@ def test_two_routing_groups_per_microbatch_and_full_recompute():
     check_ep(layout, _cfg(E=4, K=2, cf=0.75), groups_fn=groups_fn, rerun=True)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(ep=st.sampled_from([2, 4]), edp=st.sampled_from([1, 2]), pp=st.sampled_from([1, 2]),
-       tp=st.sampled_from([1, 2]), per=st.sampled_from([1, 2]), K=st.integers(1, 3),
-       cf=st.sampled_from([0.0, 0.5, 1.0, 2.0]), m=st.sampled_from([1, 2]),
-       b=st.sampled_from([1, 2]), sp=st.booleans(),
-       dispatch=st.sampled_from(["exact", "padded"]), zero=st.sampled_from([0, 1, 2, 3]))  # fmt: skip
-def test_property_layouts_with_ep(ep, edp, pp, tp, per, K, cf, m, b, sp, dispatch, zero):
-    """Drawn: ep, edp, pp, tp with world <= 8, E = ep or 2 ep, K <= E, cf 0 (everything dropped)
-    .. 2, micro-batches, SP, DDP or ZeRO-1/2/3: every rank vs the reference and every byte and
-    static memory formula."""
-    assume(ep * edp * pp * tp <= 8)
+       tp=st.sampled_from([1, 2]), cp=st.sampled_from([1, 2]), per=st.sampled_from([1, 2]),
+       K=st.integers(1, 3), cf=st.sampled_from([0.0, 0.5, 1.0, 2.0]), m=st.sampled_from([1, 2]),
+       b=st.sampled_from([1, 2]), sp=st.booleans(), dispatch=st.sampled_from(["exact", "padded"]),
+       zero=st.sampled_from([0, 1, 2, 3]),
+       balance=st.sampled_from(["zigzag", "contiguous"]))  # fmt: skip
+def test_property_layouts_with_ep(ep, edp, pp, tp, cp, per, K, cf, m, b, sp, dispatch, zero,
+                                  balance):  # fmt: skip
+    """Drawn: ep, edp, pp, tp, cp with world <= 8, E = ep or 2 ep, K <= E, cf 0 (everything
+    dropped) .. 2, micro-batches, SP (without cp), DDP or ZeRO-1/2/3, the cp balance: every rank
+    vs the reference and every byte and static memory formula."""
+    assume(ep * edp * pp * tp * cp <= 8)
     E = per * ep
-    layout = Layout(dp=ep * edp, ep=ep, pp=pp, tp=tp, microbatches=m, dispatch=dispatch,
-                    sequence_parallel=sp and tp > 1, zero=zero)  # fmt: skip
+    layout = Layout(dp=ep * edp, ep=ep, pp=pp, tp=tp, cp=cp, microbatches=m, dispatch=dispatch,
+                    sequence_parallel=sp and tp > 1 and cp == 1, zero=zero,
+                    cp_balance=balance)  # fmt: skip
     check_ep(layout, _cfg(E=E, K=min(K, E), cf=cf, L=2 * pp), B=ep * edp * m * b, S=4, steps=1)
 
 
