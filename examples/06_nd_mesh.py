@@ -22,7 +22,8 @@ mismatch.
 and --cp C (context parallelism, ring attention; each cp rank's tokens one routing group, the
 reference given the same groups) compose with every other flag; their rows add the ep / edp / cp
 axes (parallel/expert/nd.py rank_bytes and ep_step_bytes from the ep group's routing counts,
-static_memory); the peak formulas of ep / cp runs are not printed (not written for them yet).
+static_memory, peak_memory); the peak activations of ep / cp runs are not printed (no formula
+for them yet).
 --svg PATH writes the pipeline timeline (the executed per-stage orders replayed under unit costs)
 to PATH and the per-axis communication matrix (bytes each rank sent to each rank, from the
 ledger) to PATH with -comm.svg; --json PATH every rank's ledger totals and memory and the verdict.
@@ -146,7 +147,8 @@ def main(comm) -> int:
         group = [c for k, _, c in sorted(x for x in mine if x[0] == key)]  # ep order
         bytes_want["ep"] = nd_ep.ep_step_bytes(layout.dispatch, group, run.coords["ep"], cfg.d_model,
                                                compute_dtype(cfg.dtype).itemsize)  # fmt: skip
-        static, peak = nd_ep.static_memory(cfg, layout, shapes), {}
+        static = nd_ep.static_memory(cfg, layout, shapes)
+        peak = nd_ep.peak_memory(cfg, layout, shapes, s) if layout.zero >= 2 else {}
     else:
         bytes_want = nd_cost.rank_bytes(cfg, layout, B, S, run.coords)
         static = nd_cost.rank_static_memory(cfg, layout, s)

@@ -137,19 +137,26 @@ def rank_peak_memory(cfg, layout, s: int) -> dict:
     a unit stays gathered from a forward until the next backward of its layer frees it, so the
     peak follows the schedule (_replay_no_reshard). cp > 1: the dp axis is dp x cp."""
     layout = _as_dp(layout)
-    static = rank_static_memory(cfg, layout, s)
+    lays = dp_layouts(cfg, layout, s) if layout.zero >= 2 else []
+    size = {layer_of(lay.names[0]): lay.padded for lay in lays}
+    return zero_peaks(cfg, layout, s, rank_static_memory(cfg, layout, s), size,
+                      max((lay.padded for lay in lays), default=0))  # fmt: skip
+
+
+def zero_peaks(cfg, layout, s: int, static: dict, size: dict, unit: int) -> dict:
+    """rank_peak_memory's transient part on top of ``static``: ``size`` {layer: elements
+    gathered for it} (ZeRO-3; under ep a layer's dense + expert units), ``unit`` the largest
+    single unit (ZeRO-2/3: one unit's full gradient at a time)."""
     peak = {"params": static["params"], "grads": static["grads"]}
     if layout.zero < 2:
         return peak
     c = compute_dtype(cfg.dtype).itemsize
-    lays = dp_layouts(cfg, layout, s)
-    peak["grads"] += max(lay.padded for lay in lays) * c
+    peak["grads"] += unit * c
     if layout.zero == 3:
-        size = {layer_of(lay.names[0]): lay.padded for lay in lays}
         if not layout.reshard_after_forward:
             live = _replay_no_reshard(cfg, layout, s, size)
         else:
-            live = max(lay.padded for lay in lays)
+            live = max(size.values())
         if layout.prefetch and layout.reshard_after_forward:  # consecutive layers of a chunk
             split = split_layers(cfg.n_layers, layout.pp * layout.chunks)
             U = layout.pp * layout.chunks

@@ -46,7 +46,7 @@ from emulator.mesh import Mesh
 from emulator.precision import compute_dtype
 from emulator.rank import current_state
 from parallel import nd_cost
-from parallel.data.axis import DataAxis, Part, layer_units
+from parallel.data.axis import DataAxis, Part, layer_of, layer_units
 from parallel.data.cost import static_memory as dp_static
 from parallel.data.cost import step_bytes as dp_step_bytes
 from parallel.data.flat import make_buckets, make_layout
@@ -178,8 +178,9 @@ def ep_layer_bytes(dispatch: str, kept, C: int, H: int, itemsize: int, rank: int
     return ep_cost.layer_bytes(dispatch, np.asarray(kept), C, H, itemsize, rank)
 
 
-def ep_step_bytes(dispatch: str, group_counts: list, e: int, H: int, itemsize: int,
-                  rerun: bool = False) -> int:
+def ep_step_bytes(
+    dispatch: str, group_counts: list, e: int, H: int, itemsize: int, rerun: bool = False
+) -> int:
     """Bytes ep rank ``e`` sends on the ep axis in one step: ep_layer_bytes of every MoE layer
     and micro-batch, from ``group_counts`` - its ep group's NDRun.ep_counts[step] in ep order
     ({(layer, mb): (kept (E,), C)}) - summed over the phases; ``rerun`` (recompute="full") runs
@@ -288,3 +289,17 @@ def static_memory(cfg, layout, shapes: dict) -> dict:
         for k, v in dp_static(stage, lays, n, cfg.dtype).items():
             out[k] += v
     return out
+
+
+def peak_memory(cfg, layout, shapes: dict, s: int) -> dict:
+    """Peak params / grads of ep_axis's state, stage s: parallel/nd_cost.zero_peaks on
+    static_memory with both parts' units - ZeRO-2/3 one unit's full gradient at a time (a
+    layer's dense unit is reduce-scattered before its expert unit fills), ZeRO-3 a layer's
+    gathered dense + expert units (prefetch: with the next layer's; without resharding: the
+    schedule's replay)."""
+    size, unit = {}, 0
+    for lays, _ in _parts(cfg, layout, shapes) if layout.zero >= 2 else ():
+        for lay in lays:
+            k = layer_of(lay.names[0])
+            size[k], unit = size.get(k, 0) + lay.padded, max(unit, lay.padded)
+    return nd_cost.zero_peaks(cfg, layout, s, static_memory(cfg, layout, shapes), size, unit)

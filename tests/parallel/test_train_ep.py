@@ -130,6 +130,8 @@ def check_ep(layout, cfg, *, B=8, S=4, steps=2, groups_fn=None, rerun=False):
         shapes = {n: a.shape for n, a in run.local_params.items()}
         static = nd_ep.static_memory(cfg, layout, shapes)
         assert {k: run.memory["current"][k] for k in static} == static, (where, run.memory)
+        peak = nd_ep.peak_memory(cfg, layout, shapes, run.coords["pp"])
+        assert {k: run.memory["peak"][k] for k in peak} == peak, (where, run.memory, peak)
     return runs, dropped
 
 
