@@ -28,7 +28,8 @@ sum, weigh 1/P), then tp (1/t for tp-replicated tensors, the experts among them)
 rank (q, e) at cp rank c owns a distinct shard of the dense tensors and a distinct shard of
 expert group e's experts, so the owned squares summed over dp x cp count every element once;
 then tp (1/t), pp. Bytes: data_bytes / dp_bytes (both parts, every stage), clip_bytes, tp_bytes,
-rank_bytes (every axis but ep); static_memory (every stage), all = the ledgers on every rank.
+rank_bytes (every axis but ep), ep_step_bytes (the ep axis from the group's routing counts);
+static_memory and peak_memory (every stage), all = the ledgers on every rank.
 Ledger: every all-to-all of layer L, micro-batch j under "ep/<L>/mb<j>/<fwd|bwd>/<phase>",
 phases as parallel/expert/cost.py (counts, dispatch, combine), whatever scope is open around it.
 """

@@ -76,6 +76,8 @@ def check_ep(layout, cfg, *, B=8, S=4, steps=2, groups_fn=None, rerun=False):
     for run, tags in zip(runs, sent):
         where = f"rank at {run.coords}"
         assert not compare_run(run, ref, RTOL)[1], (where, compare_run(run, ref, RTOL)[1][:4])
+        # the ONE global norm (before clipping) = the reference's, every step, every rank
+        np.testing.assert_allclose(run.grad_norms, ref.grad_norms, rtol=RTOL, err_msg=where)
         e, t, tr = run.coords["ep"], layout.tp, run.coords["tp"]
         for mine, full, kind in ((run.local_params, ref.params, "param"),
                                  (run.local_grads, ref.grads, "grad")):  # fmt: skip
@@ -270,6 +272,7 @@ def test_zero_x_ep(zero, dp, ep):
     layout = Layout(dp=dp, ep=ep, zero=zero, microbatches=2, bucket_cap_mb=0.0007)
     runs, dropped = check_ep(layout, _cfg(E=4, K=2, cf=0.75), B=8, S=4)
     assert dropped > 0
+    assert min(runs[0].grad_norms) > 0.3  # max_norm=0.3 clips every step: the coef is used
     if zero == 1:  # the cap splits both parts into several buckets
         assert len(runs[0].layouts) > 2, runs[0].layouts
 
