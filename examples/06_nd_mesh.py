@@ -140,7 +140,7 @@ def main(comm) -> int:
         fails += [f"own {what} shards: {x}" for x in compare(mine, want, RTOL, what)[1]]
     s = run.coords["pp"]
     if P > 1:  # parallel/expert/nd.py: two parts, the all-to-alls from the ep group's counts
-        shapes = {n: a.shape for n, a in run.local_params.items()}
+        shapes = nd_ep.local_shapes(cfg, layout, s)  # from the config alone
         bytes_want = nd_ep.rank_bytes(cfg, layout, B, S, run.coords, shapes)
         key = tuple(run.coords[x] for x in ("edp", "pp", "cp", "tp"))
         mine = comm.allgather_object((key, run.coords["ep"], run.ep_counts[-1]))  # uncounted

@@ -55,7 +55,8 @@ from parallel.expert import cost as ep_cost
 from parallel.expert.layer import ep_moe_backward, ep_moe_forward
 from parallel.expert.sync import is_expert
 from parallel.tensor import cost as tp_cost
-from parallel.tensor.shard import REPLICATE
+from parallel.tensor.block import megatron_plan
+from parallel.tensor.shard import REPLICATE, local_shape
 
 
 def ep_mesh(comm, layout) -> Mesh:
@@ -78,6 +79,16 @@ def shard_experts(params: dict, e: int, El: int) -> dict:
     """{name: array} -> the expert tensors cut to experts e El .. (e+1) El - 1 (axis 0)."""
     sl = slice(e * El, (e + 1) * El)
     return {n: (a[sl].copy() if is_expert(n) else a) for n, a in params.items()}
+
+
+def local_shapes(cfg, layout, s: int) -> dict:
+    """{name: shape} a rank of stage s holds in an ep run, from the config alone: the stage's
+    whole shapes (nd_cost.local_shapes at tp = 1), the experts cut to E / ep along axis 0 and
+    replicated over tp (expert_plan), everything else cut by tp as megatron_plan says."""
+    plan, P = expert_plan(megatron_plan(cfg)), layout.ep
+    whole = nd_cost.local_shapes(cfg, dataclasses.replace(layout, tp=1), s)
+    return {n: (x[0] // P, *x[1:]) if is_expert(n) else local_shape(x, plan[n], layout.tp, n)
+            for n, x in whole.items()}  # fmt: skip
 
 
 def unshard_experts(ep, params: dict, grads: dict) -> tuple[dict, dict]:

@@ -88,6 +88,8 @@ def check_ep(layout, cfg, *, B=8, S=4, steps=2, groups_fn=None, rerun=False):
         group = sorted((q for q in runs if all(q.coords[a] == run.coords[a] for a in
                         ("edp", "pp", "cp", "tp"))), key=lambda q: q.coords["ep"])  # fmt: skip
         assert [q.coords["ep"] for q in group] == list(range(P))
+        shapes = nd_ep.local_shapes(cfg, layout, run.coords["pp"])  # from the config alone
+        assert shapes == {n: a.shape for n, a in run.local_params.items()}, where
         for step in range(steps):
             keys = run.ep_counts[step]
             assert keys, where  # every stage has MoE blocks
@@ -114,7 +116,6 @@ def check_ep(layout, cfg, *, B=8, S=4, steps=2, groups_fn=None, rerun=False):
             assert run.step_bytes[step]["ep"] == total
             counts = [q.ep_counts[step] for q in group]
             assert total == nd_ep.ep_step_bytes(layout.dispatch, counts, e, cfg.d_model, 8, rerun)
-            shapes = {n: a.shape for n, a in run.local_params.items()}
             want = nd_ep.rank_bytes(cfg, layout, B, S, run.coords, shapes)
             assert {k: run.step_bytes[step][k] for k in want} == want, (where, run.step_bytes)
             assert want["dp"] + want["edp"] == nd_ep.dp_bytes(cfg, layout, shapes)
@@ -129,7 +130,6 @@ def check_ep(layout, cfg, *, B=8, S=4, steps=2, groups_fn=None, rerun=False):
             assert run.step_bytes[step]["tp"] == tp, (where, run.step_bytes[step], tp)
             assert "untagged" not in run.step_bytes[step]
         assert run.losses == runs[0].losses
-        shapes = {n: a.shape for n, a in run.local_params.items()}
         static = nd_ep.static_memory(cfg, layout, shapes)
         assert {k: run.memory["current"][k] for k in static} == static, (where, run.memory)
         peak = nd_ep.peak_memory(cfg, layout, shapes, run.coords["pp"])
@@ -228,7 +228,7 @@ def test_mixed_precision_losses_and_bitwise_reproducible(tp, dispatch, zero):
         assert not compare_losses(x.losses, ref.losses, 4e-4)[1], (x.losses, ref.losses)
         assert x.losses == y.losses
         assert all(np.array_equal(x.local_params[n], y.local_params[n]) for n in x.local_params)
-        shapes = {n: p.shape for n, p in x.local_params.items()}
+        shapes = nd_ep.local_shapes(cfg, layout, x.coords["pp"])
         assert x.step_bytes[0]["dp"] + x.step_bytes[0]["edp"] == nd_ep.dp_bytes(cfg, layout, shapes)
         static = nd_ep.static_memory(cfg, layout, shapes)
         assert {k: x.memory["current"][k] for k in static} == static, x.memory
