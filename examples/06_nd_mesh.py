@@ -194,7 +194,8 @@ def main(comm) -> int:
         print("MISMATCH:", f)
     w = {k: max(row[9][k] for row in rows) for k in ("loss", "grad", "param")}
     total = sum(sum(row[2].values()) for row in rows)
-    peaks = " and peak activations" if "activations" in rows[0][7] else ""
+    peaks = "".join(f" and peak {w}" for w, k in (("params / grads", "params"),
+                    ("activations", "activations")) if k in rows[0][7])  # fmt: skip
     pictures = pictures_of(rows, sent_to, want_order, layout) if ARGS.svg else []
     for pic in pictures:
         print(f"SVG: {pic}")
