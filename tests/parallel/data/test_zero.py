@@ -221,3 +221,46 @@ def test_step_without_gradients_is_a_clear_error(stage):
             ZeroOptimizer(comm, params, stage=4)
 
     emulator.spawn(body, 2, timeout=30)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_optimizers_share_one_norm_through_reduce_and_apply(stage):
+    """The ep composition at the optimizer level (4 ranks, mesh edp 2 x ep 2): "w" sharded over
+    all 4 (dense), "b" over edp with its own value per ep coordinate (an expert). Each rank's
+    reduce() squares summed, one all-reduce over the 4, apply(coef): the norm is numpy's over
+    the dense total and both experts' totals, the params numpy's AdamW of the clipped totals."""
+    from parallel.clip import global_grad_norm
+
+    rng = np.random.default_rng(3)
+    w0, b0 = rng.normal(size=(5, 3)), [rng.normal(size=(7,)) for _ in range(2)]  # b0[e]
+    gw = [rng.normal(size=(5, 3)) for _ in range(4)]  # per dp rank d = 2 q + e
+    gb = [rng.normal(size=(7,)) for _ in range(4)]
+
+    def body(comm):
+        mesh = emulator.Mesh(comm, edp=2, ep=2)
+        e, d = mesh.coord("ep"), comm.rank
+        dp = mesh.group("edp", "ep")
+        dense = ZeroOptimizer(dp, {"w": w0}, stage=stage, weight_decay=0.1)
+        expert = ZeroOptimizer(mesh["edp"], {"b": b0[e]}, stage=stage, weight_decay=0.1)
+        if stage == 2:
+            dense.grad_ready("w", gw[d])
+            expert.grad_ready("b", gb[d])
+        sq = dense.reduce(None if stage == 2 else {"w": gw[d]})
+        sq += expert.reduce(None if stage == 2 else {"b": gb[d]})
+        norm, coef = global_grad_norm(sq, (dp,), max_norm=0.5)
+        dense.apply(coef)
+        expert.apply(coef)
+        return e, norm, dense.master_params()["w"], expert.master_params()["b"]
+
+    out = emulator.spawn(body, 4, timeout=30)
+    tw = sum(gw)
+    tb = [gb[e] + gb[2 + e] for e in range(2)]  # edp group of e: dp ranks e and 2 + e
+    want = np.sqrt(np.sum(tw**2) + sum(np.sum(t**2) for t in tb))
+    coef = min(1.0, 0.5 / (want + 1e-6))
+    assert coef < 1  # the test clips
+    for e, norm, w, b in out:
+        assert abs(norm - want) <= 1e-13 * want
+        p = {"w": w0.copy(), "b": b0[e].copy()}
+        AdamW(p, weight_decay=0.1).step(p, {"w": tw * coef, "b": tb[e] * coef})
+        np.testing.assert_allclose(w, p["w"], rtol=1e-13, atol=1e-16)
+        np.testing.assert_allclose(b, p["b"], rtol=1e-13, atol=1e-16)
