@@ -91,8 +91,12 @@ class DataAxis(Accumulate):
         self.D, self.statics, self.opt = dp.size, [], None
         self.parts = parts or [Part(dp, tuple(master))]
         self.part = {n: k for k, p in enumerate(self.parts) for n in p.names}
-        if sorted(self.part) != sorted(master) or len(self.part) != len(master):
-            raise ValueError("DataAxis: the parts must cover every tensor exactly once")
+        listed = [n for p in self.parts for n in p.names]
+        if sorted(listed) != sorted(master):
+            missing = sorted(set(master) - set(listed))
+            twice = sorted({n for n in listed if listed.count(n) > 1} | (set(listed) - set(master)))
+            raise ValueError(f"DataAxis: the parts must cover every tensor exactly once; missing "
+                             f"{missing}, twice or unknown {twice}")  # fmt: skip
         self.ddps, self.engines, self.units = [], [], []
         self.order: list = []
         self.last_grads: dict = {}  # no step yet: no gradient

@@ -264,3 +264,23 @@ def test_two_optimizers_share_one_norm_through_reduce_and_apply(stage):
         AdamW(p, weight_decay=0.1).step(p, {"w": tw * coef, "b": tb[e] * coef})
         np.testing.assert_allclose(w, p["w"], rtol=1e-13, atol=1e-16)
         np.testing.assert_allclose(b, p["b"], rtol=1e-13, atol=1e-16)
+
+
+def test_data_axis_parts_must_cover_every_tensor_once():
+    from emulator.model import ModelConfig
+    from parallel.data.axis import DataAxis, Part
+
+    cfg = ModelConfig(vocab_size=8, max_seq_len=4, d_model=4, n_heads=1, n_layers=1)
+    master = {"a": np.zeros(3), "b": np.zeros(2)}
+
+    def body(comm):
+        problems = []
+        for parts in ([Part(comm, ("a",))], [Part(comm, ("a", "b")), Part(comm, ("b",))]):
+            try:
+                DataAxis(comm, master, 1, cfg, hyper={}, parts=parts)
+            except ValueError as e:
+                problems.append(str(e))
+        return problems
+
+    (problems,) = emulator.spawn(body, 1, timeout=30)
+    assert len(problems) == 2 and all("exactly once" in p for p in problems), problems
