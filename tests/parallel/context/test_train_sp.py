@@ -177,3 +177,11 @@ def test_refusals():
     with pytest.raises(ValueError, match="use S divisible by 12"):
         emulator.spawn(lambda c: parallel.train(c, Layout(cp=2, tp=3, sequence_parallel=True),
                                                 cfg, batches, 1), 6, timeout=30)  # fmt: skip
+
+
+def test_dry_run_of_cp_tp_sp_records_what_the_real_run_records():
+    """planning/nd_dryrun (shape-only parallel.train) on cp 2 x tp 2 + SP x dp 2: every rank's
+    bytes per (tag, op, peer, ...), per axis and memory equal the real run's."""
+    from tests.planning.test_nd_dry_run import assert_dry_equals_real, cfg_of
+
+    assert_dry_equals_real(cfg_of(), Layout(dp=2, cp=2, tp=2, sequence_parallel=True), 2, 8)
