@@ -30,7 +30,9 @@ def run(argv, n, capsys):
     [(["--cp", "4"], 4), (["--cp", "2", "--balance", "contiguous", "--steps", "2"], 2),
      (["--cp", "2", "--dp", "2", "--moe", "--steps", "2"], 4),
      (["--cp", "2", "--tp", "2", "--sequence-parallel", "--steps", "2"], 4),
-     (["--cp", "2", "--tp", "2", "--balance", "contiguous", "--steps", "1"], 4)],
+     (["--cp", "2", "--tp", "2", "--balance", "contiguous", "--steps", "1"], 4),
+     (["--cp", "2", "--tp", "2", "--sequence-parallel", "--moe", "--recompute", "selective",
+       "--steps", "1"], 4)],
 )  # fmt: skip
 def test_example_passes(method, argv, n, capsys):
     codes, out = run([*argv, "--method", method], n, capsys)

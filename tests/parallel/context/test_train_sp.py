@@ -27,6 +27,7 @@ from parallel.layer import LayerContext
 from parallel.tensor import vocab
 from parallel.tensor.block import megatron_plan
 from parallel.tensor.shard import shard
+from parallel.testing import check_layout
 from tests.parallel.test_train_cp import HYPER, RTOL, STEPS, _cfg, check_cp
 
 
@@ -129,6 +130,13 @@ def test_cp_sp_drawn_from_small_shapes(cp, tp, data, method, balance, recompute,
     layout = Layout(dp=dp, cp=cp, tp=tp, sequence_parallel=True, cp_method=method,
                     cp_balance=balance, recompute=recompute)  # fmt: skip
     check_cp(layout, _cfg6(4 if moe else 0), B=B, S=S)
+
+
+def test_the_kit_check_layout_takes_a_cp_sp_layout():
+    """parallel.testing.check_layout, as a user calls it, on cp 2 x tp 2 + SP x dp 2."""
+    worst = check_layout(Layout(dp=2, cp=2, tp=2, sequence_parallel=True, cp_method="ulysses"),
+                         _cfg(), batch=4, seq=8, steps=2, **HYPER)  # fmt: skip
+    assert max(worst.values()) < RTOL, worst
 
 
 def _fails(layout, cfg, B, S) -> list:
