@@ -195,12 +195,12 @@ def test_two_routing_groups_per_microbatch_and_full_recompute():
 def test_property_layouts_with_ep(ep, edp, pp, tp, cp, per, K, cf, m, b, sp, dispatch, zero,
                                   balance):  # fmt: skip
     """Drawn: ep, edp, pp, tp, cp with world <= 8, E = ep or 2 ep, K <= E, cf 0 (everything
-    dropped) .. 2, micro-batches, SP (without cp), DDP or ZeRO-1/2/3, the cp balance: every rank
+    dropped) .. 2, micro-batches, SP (with cp too), DDP or ZeRO-1/2/3, the cp balance: every rank
     vs the reference and every byte and static memory formula."""
     assume(ep * edp * pp * tp * cp <= 8)
     E = per * ep
     layout = Layout(dp=ep * edp, ep=ep, pp=pp, tp=tp, cp=cp, microbatches=m, dispatch=dispatch,
-                    sequence_parallel=sp and tp > 1 and cp == 1, zero=zero,
+                    sequence_parallel=sp and tp > 1, zero=zero,
                     cp_balance=balance)  # fmt: skip
     check_ep(layout, _cfg(E=E, K=min(K, E), cf=cf, L=2 * pp), B=ep * edp * m * b, S=4, steps=1)
 
@@ -335,6 +335,8 @@ def test_planted_bug_zero_norm_counted_twice_fails(monkeypatch):
         {"dp": 4, "ep": 2, "cp": 2, "zero": 0, "microbatches": 1},
         {"dp": 2, "ep": 2, "cp": 2, "tp": 2, "zero": 3, "prefetch": True},
         {"dp": 2, "ep": 2, "cp": 2, "pp": 2, "zero": 2},
+        {"dp": 2, "ep": 2, "cp": 2, "tp": 2, "sequence_parallel": True, "zero": 1},
+        {"dp": 2, "ep": 2, "cp": 2, "tp": 2, "sequence_parallel": True, "cp_method": "all-gather"},
     ],
 )
 def test_cp_x_ep(kw):
