@@ -26,7 +26,6 @@ every rank's load table against a recount of the reference's routing, every rank
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import numpy as np
@@ -130,8 +129,9 @@ def rank_report(comm, run, recs, group_kept) -> tuple[list[str], list[str]]:
     E, H, c = cfg.n_experts, cfg.d_model, co["ep"]
     El, w = E // lay.ep, compute_dtype(cfg.dtype).itemsize  # the rows' itemsize
     bad, last, blocks = [], recs[-1], _blocks(recs[-1])
-    lines = [f"== rank {comm.rank} (dp {co['dp']} = edp {co['edp']} x ep {c}: experts "
-             f"{c * El}..{(c + 1) * El - 1}; tp {co['tp']}, pp {co['pp']})"]  # fmt: skip
+    head = (f"== rank {comm.rank} (dp {co['dp']} = edp {co['edp']} x ep {c}: experts "
+            f"{c * El}..{(c + 1) * El - 1}; tp {co['tp']}, pp {co['pp']})")  # fmt: skip
+    lines = [head]
     for b in blocks:
         rows_in = sum(received(last[(b, j)]["counts"]) for j in range(k))
         lines.append(f"{b} load, last step ({k} micro-batches, this rank's tokens):")
@@ -164,7 +164,9 @@ def rank_report(comm, run, recs, group_kept) -> tuple[list[str], list[str]]:
         f"{a} {got[a]} / {want[a]}" for a in want) + f", pp {run.step_bytes[-1]['pp']}")  # fmt: skip
     static = nd_ep.static_memory(cfg, lay, shapes)
     got_m = {cat: run.memory["current"][cat] for cat in static}
-    bad += [f"static {x}: {got_m[x]} != formula {static[x]}" for x in static if got_m[x] != static[x]]
+    bad += [
+        f"static {x}: {got_m[x]} != formula {static[x]}" for x in static if got_m[x] != static[x]
+    ]
     peak, note = run.memory["peak"]["activations"], "no formula with tp or pp > 1 here"
     if lay.tp == lay.pp == 1:  # one micro-batch alive: its ep blocks + the ids and head caches
         b_ = args.batch // (lay.dp * k)

@@ -216,7 +216,9 @@ def assemble(runs, ep: int | None = None) -> FullView:
         return full_state([(r.coords, get(r)) for r in runs])
 
     micro, n_layers = len(runs[0].moe[0]), len(runs[0].moe[0][0])
-    routing = routing_of([(r.coords, r.records) for r in runs], micro, n_layers) if n_layers else None
+    routing = (
+        routing_of([(r.coords, r.records) for r in runs], micro, n_layers) if n_layers else None
+    )
     opt = {k: full(lambda r, k=k: r.opt_state[k]) for k in ("m", "v")}
     return FullView(runs[0].losses, runs[0].grad_norms, full(lambda r: r.grads),
                     full(lambda r: r.params), opt, routing)  # fmt: skip
