@@ -160,8 +160,10 @@ def rank_report(comm, run, recs, group_kept) -> tuple[list[str], list[str]]:
         bad += [f"step {s} {a} bytes {got[a]} != formula {want[a]}" for a in want
                 if got[a] != want[a]]  # fmt: skip
         bad += [f"step {s}: {sb['untagged']} B under no axis's tag"] if "untagged" in sb else []
-    lines.append("bytes sent per step, last step / formula: " + ", ".join(
-        f"{a} {got[a]} / {want[a]}" for a in want) + f", pp {run.step_bytes[-1]['pp']}")  # fmt: skip
+    last_sb = run.step_bytes[-1]
+    lines.append(f"bytes sent per step, last step / formula: dp {last_sb['dp']} + edp "
+                 f"{last_sb['edp']} = " + ", ".join(f"{a} {got[a]} / {want[a]}" for a in want)
+                 + f", pp {last_sb['pp']}")  # fmt: skip
     static = nd_ep.static_memory(cfg, lay, shapes)
     got_m = {cat: run.memory["current"][cat] for cat in static}
     bad += [
