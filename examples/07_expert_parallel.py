@@ -49,6 +49,7 @@ from parallel.expert.load import format_load, merge_loads, received, reference_l
 from parallel.expert.train import (
     PER_TENSOR_MB,
     FullView,
+    check_batch,
     full_state,
     moe_records,
     replica_problems,
@@ -102,6 +103,11 @@ if args.layers < args.pp:
     p.error(f"argument --layers: {args.layers} blocks cannot fill {args.pp} stages; choose "
             f"--layers >= {args.pp}")  # fmt: skip
 args.batch = args.batch or 2 * D_ * args.microbatches
+try:
+    check_batch(D_, args.batch, args.microbatches)
+except ValueError as e:
+    p.error(f"argument --batch {args.batch}: {e}; choose a multiple of "
+            f"{D_ * args.microbatches}")  # fmt: skip
 S = args.seq
 TRAIN = {"lr": 1e-3, "max_norm": 1.0}
 LAYOUT = Layout(dp=D_, ep=args.ep, tp=args.tp, pp=args.pp, microbatches=args.microbatches,

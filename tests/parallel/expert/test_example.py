@@ -1,8 +1,11 @@
-"""examples/07_expert_parallel.py passes on virtual ranks in both dispatch modes, fails loudly
-on a layout that cannot split, and its verdict can fail (a planted formula error)."""
+"""examples/07_expert_parallel.py passes on virtual ranks and under mpiexec -n 4 in both dispatch
+modes and composed with tp or pp through the N-D program, fails loudly on a layout that cannot
+split, and its verdict can fail (a planted bytes-formula error)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "07_expert_parallel.py"
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 
 def _run(n, *args):
@@ -57,3 +61,17 @@ def test_planted_bytes_formula_error_fails_the_verdict(monkeypatch, capsys):
     codes = emulator.spawn(main, 4, timeout=120)
     out = capsys.readouterr().out
     assert codes[0] == 1 and "VERDICT: FAIL" in out and "all-to-all bytes" in out, out[-1500:]
+
+
+@pytest.mark.parametrize("mode", ["exact", "padded"])
+def test_passes_under_mpiexec_4(mode):
+    mpiexec = str(MPIEXEC) if MPIEXEC.exists() else shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("no mpiexec")
+    cmd = [mpiexec, "-n", "4", sys.executable, str(EXAMPLE), "--ep", "4", "--steps", "1",
+           "--dispatch", mode]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env=env)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "VERDICT: PASS" in p.stdout and "imbalance max/mean" in p.stdout
