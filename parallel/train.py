@@ -25,7 +25,10 @@ tp/sp-grads/<layer>/mb<j>; pp/act/mb<j>, pp/grad/mb<j>; cp: any tag containing c
 parallel/nd_cost.py has the formulas.
 ep > 1 (parallel/expert/nd.py): experts E/ep per rank over the ep group drawn from dp, hooks
 EPAxis (replicated grads DDP over dp, expert grads over edp: edp/dp/grads*), all-to-alls under
-ep/<layer>/mb<j>/<fwd|bwd>/<phase>; formulas nd.ep_layer_bytes, dp_bytes, tp_bytes.
+ep/<layer>/mb<j>/<fwd|bwd>/<phase>; formulas nd.ep_layer_bytes, dp_bytes, tp_bytes. Route
+records per step, MoE layer and micro-batch: NDRun.ep_counts (kept, C) and NDRun.ep_routes (load
+table, counts received, decisions; parallel/expert/load.py LayerRoute); parallel/expert/train.py
+moe_records adds each one's all-to-all bytes by phase from the ledger.
 """
 
 from __future__ import annotations
