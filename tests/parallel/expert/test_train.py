@@ -59,7 +59,7 @@ def _run(D, ep, mode, cfg, k=2, recompute="none", split=False, steps=3):
             assert set(got) == set(want)
             for n in want:
                 assert_close(f"rank {r} {what} {n}", got[n], want[n], **TOL)
-        if recompute == "full":  # the backward reruns the forward: no routes kept
+        if recompute == "full":  # fwd bytes twice: test_full_recompute_reruns_the_forward_...
             continue
         b, S = 2, 6  # each rank's micro-batch
         sizes = [len(range(0, b * S, 2)), len(range(1, b * S, 2))] if split else None
