@@ -17,9 +17,10 @@ its historical "<layer>/mb<j>/<fwd|bwd>", tag="").
 
 Context parallelism (issue 13): ``cp`` is the cp group and ``positions`` the (C, S_local) table
 of every cp rank's global positions (parallel/context/layout.table, set per step by
-``set_positions``): the embedding takes the position rows of this rank's positions, attention is
-cp_attention on the cp group (under tp on this rank's heads), everything else runs on the local
-tokens unchanged. `ep` (expert-parallel MoE, issue 12): with parallel/expert/nd.py's moe_pair, on the
+``set_positions``): the embedding takes the position rows of this rank's positions (under SP
+the rows of its tp slice of them, parallel/context/layout.sp_table), attention is cp_attention on
+the cp group (under tp on this rank's heads; under SP on the gathered S_local tokens), everything
+else runs on the local tokens unchanged. `ep` (expert-parallel MoE, issue 12): with parallel/expert/nd.py's moe_pair, on the
 single-rank and the TP block. The drop-ins (parallel/context/, parallel/expert/) plug in as ``attention=(forward,
 backward)`` and ``moe=(forward, backward)``: passed to the blocks as emulator/block.py's
 ``attention=`` and ``moe_fn=`` pairs (emulator's signatures; bind the group and extra arguments

@@ -12,7 +12,8 @@ Llama 3 Herd of Models", section 3.3.2): the axis with the most traffic per step
 all-reduces of the hidden state per block) gets the fastest links, DP (one reduction per step,
 overlapped) the slowest. `cp` (issue 13, context parallelism): every sequence split over the cp
 ranks (`cp_balance` contiguous or zigzag), attention by `cp_method` (ring, all-gather, ulysses;
-parallel/context/). `ep` (issue 12, expert
+parallel/context/); with sequence_parallel each tp rank holds S/(cp t) of the cp rank's
+positions (parallel/context/layout.sp_table). `ep` (issue 12, expert
 parallelism): ep > 1 splits dp into edp x ep, ep inner (parallel/expert/nd.py).
 """
 
@@ -24,6 +25,7 @@ from emulator.mesh import Mesh
 from parallel.context.attention import METHODS
 from parallel.context.layout import BALANCES
 from parallel.context.layout import check as check_split
+from parallel.context.layout import check_sp as check_cp_sp
 from parallel.pipeline.schedules import SCHEDULES, make_schedule
 from parallel.pipeline.schedules import validate as validate_schedule
 
@@ -178,11 +180,14 @@ class Layout:
                        f"{self.microbatches} = {per}; microbatches could be one of {fits}"
                        if fits else f"batch B={B} is not divisible by dp={self.dp}")  # fmt: skip
         if S is not None and self.cp > 1 and self.cp_balance in BALANCES:
-            try:
-                check_split(S, self.cp, self.cp_balance)  # S into cp (zigzag: 2 cp) chunks
+            try:  # S into cp (zigzag: 2 cp) chunks; with SP each cp rank's S/cp into t slices
+                if self.sequence_parallel and t > 1:  # one error naming both conditions
+                    check_cp_sp(S, self.cp, t, self.cp_balance)
+                else:
+                    check_split(S, self.cp, self.cp_balance)
             except ValueError as e:
                 bad.append(str(e))
-        if S is not None and self.sequence_parallel and S % t:
+        elif S is not None and self.sequence_parallel and S % t:
             bad.append(f"sequence_parallel: S={S} is not divisible by tp={t}; use a sequence "
                        f"length that is a multiple of {t}")  # fmt: skip
         return bad
@@ -194,9 +199,6 @@ class Layout:
             bad.append(f"cp_method={self.cp_method!r}: choose one of {METHODS}")
         if self.cp_balance not in BALANCES:
             bad.append(f"cp_balance={self.cp_balance!r}: choose one of {BALANCES}")
-        if self.cp > 1 and self.sequence_parallel:
-            bad.append("cp > 1 with sequence_parallel: SP's S/t slices would have to be cut "
-                       "from the cp rank's (zigzag) positions; use one of the two")  # fmt: skip
         if self.cp > 1 and self.schedule == "zb-h1":
             bad.append("cp > 1 with zb-h1: the B/W split (parallel/pipeline/zero_bubble.py) "
                        "runs emulator's own attention; use gpipe, 1f1b or interleaved")  # fmt: skip

@@ -17,6 +17,8 @@ each, S the sequence; c the compute itemsize. A rank's share: its stage's parame
         heads (twice the forward under full recompute). Every other axis sees a cp rank as C
         times the dp ranks with S/C tokens: its formulas run with D C dp ranks (grads summed
         over dp x cp), B C sequences of S/C positions (b per micro-batch): the same bytes.
+        With SP too: tp's formulas at the local sequence S/C (SP's all-gathers restore the cp
+        rank's S/C tokens, its reduce-scatters cut them to S/(C t)), pp's message b S/(C t) H c.
 """
 
 from __future__ import annotations

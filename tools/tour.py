@@ -67,6 +67,11 @@ RUNS = [
     ("08_context_parallel.py", 4, ["--cp", "4", "--method", "ulysses"]),
     ("08_context_parallel.py", 2, ["--cp", "2", "--balance", "contiguous", "--recompute", "full"]),
     ("08_context_parallel.py", 4, ["--cp", "2", "--dp", "2", "--moe", "--method", "ring"]),
+    (
+        "08_context_parallel.py",
+        8,
+        ["--cp", "4", "--tp", "2", "--method", "ring", "--sequence-parallel"],
+    ),
 ]
 
 

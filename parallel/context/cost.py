@@ -16,6 +16,11 @@ Every method is symmetric: each rank sends exactly what it receives.
 
 Ulysses is the only one whose bytes per rank fall as C grows (each all-to-all keeps 1/C of its
 buffer); ring's sends overlap with compute step by step, all-gather's happen before it.
+
+Under tensor (+ sequence) parallelism the cp attention runs on the rank's H/t width and A/t heads
+of the cp rank's S_local tokens (SP gathers its S_local/t slices back first), so the formulas
+above hold with H -> H/t, A -> A/t, unchanged by SP; the tp axis's bytes are parallel/tensor/
+cost.py's at sequence length S_local (parallel/nd_cost.py).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from emulator.flops import activation_bytes_per_block
 from emulator.precision import arith_dtype, compute_dtype
 from parallel.context import work
 from parallel.context.ulysses import check_heads
+from parallel.tensor.cost import block_activation_bytes as tp_block
 
 FORMULAS = {
     "ring": ("2 (C-1) B S/C H x", "2 (C-1) B S/C H (x + y)"),
@@ -89,3 +95,22 @@ def block_activation_bytes(cfg, method, B, S, C, *, recompute, balance, rank) ->
                         balance=balance, rank=rank, acc_itemsize=y)  # fmt: skip
     shared = blk if method == "ring" else 0
     return activation_bytes_per_block(cfg, B, S_l, "selective") - 3 * blk + attn - shared + 8 * S
+
+
+def tp_block_activation_bytes(cfg, method, B, S, C, t, *, sp, regather=True, recompute, balance,
+                              rank) -> int:  # fmt: skip
+    """A tensor-parallel block's activation bytes on cp rank `rank` (parallel/tensor/block.py's
+    cache, cp x tp, with or without SP): the TP block at S_local = S/C tokens without
+    probabilities (parallel/tensor/cost.block_activation_bytes; under SP its S_local/t slices),
+    minus its q, k, v (3 blk of B S_local H/t: held only through the attention cache), plus this
+    method's cache on the rank's H/t width and A/t heads (the ring's o is the wo input already
+    counted: - blk), plus the positions table (8 S). MoE: one routing group of B S_local tokens
+    (the cp rank's, gathered back by SP before the router)."""
+    x = compute_dtype(cfg.dtype)
+    y, x = arith_dtype(x).itemsize, x.itemsize
+    H, A = cfg.d_model // t, cfg.n_heads // t
+    blk = _blk(B, S, H, C, x)
+    base = tp_block(cfg, B, S // C, t, sp=sp, regather=regather, recompute="selective")
+    attn = cache_nbytes(method, B, S, H, A, C, x, keep_probs=recompute == "none",
+                        balance=balance, rank=rank, acc_itemsize=y)  # fmt: skip
+    return base - 3 * blk + attn - (blk if method == "ring" else 0) + 8 * S

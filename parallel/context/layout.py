@@ -13,9 +13,20 @@ Shape letters: B batch, S sequence (global), C = cp ranks, S_local = S / C.
 A rank's positions are kept in increasing order, so its local tokens are a sorted subsequence
 of the global sequence; the table of every rank's positions (C, S_local) is static metadata
 every rank computes identically (no communication).
+
+With sequence parallelism (Korthikanti et al. 2022, section 4.2.2) on a tp group of t ranks, the
+cp rank's S_local tokens are cut again, along its LOCAL sequence axis, as parallel/tensor/
+sequence.seq_slice cuts any sequence: tp rank j of cp rank c holds local columns
+[j S_local/t, (j+1) S_local/t), i.e. the global positions sp_table(S, C, t)[c, j] =
+table(S, C)[c, j S_local/t : (j+1) S_local/t]. Zigzag with t = 2: tp rank 0 holds chunk c,
+tp rank 1 its mirror 2C-1-c. The SP all-gather before attention restores exactly the cp rank's
+S_local tokens in local order, so cp attention and the MoE routing group (the cp rank's tokens)
+are unchanged; the embedding adds the position rows of the (cp, tp) rank's slice.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -36,6 +47,28 @@ def check(S: int, cp: int, balance: str) -> None:
             f"{why} for cp={cp}; use S divisible by {parts}"
             + (" or balance='contiguous'" if balance == "zigzag" and S % cp == 0 else "")
         )
+
+
+def check_sp(S: int, cp: int, tp: int, balance: str) -> None:
+    """cp x sequence parallelism: S into cp ranks (zigzag: 2 cp chunks), then each cp rank's
+    S / cp positions into tp equal slices -> S a multiple of lcm(cp tp, 2 cp for zigzag)."""
+    parts = 2 * cp if balance == "zigzag" else cp
+    need = math.lcm(parts, cp * tp)
+    if S < 1 or S % need:
+        why = f" and of 2 cp = {parts} (zigzag chunks)" if balance == "zigzag" else ""
+        raise ValueError(
+            f"context x sequence parallel: S={S} does not split into cp={cp} ranks' S/cp "
+            f"positions cut into tp={tp} equal slices; S must be a multiple of cp*tp = "
+            f"{cp * tp}{why}: use S divisible by {need}"
+        )
+
+
+def sp_table(S: int, cp: int, tp: int, balance: str = "zigzag") -> np.ndarray:
+    """(C, t, S/(C t)) int64: [c, j] = the global positions tp rank j of cp rank c holds
+    between the tensor-parallel regions under sequence parallelism (its slice of row c)."""
+    check(S, cp, balance)
+    check_sp(S, cp, tp, balance)
+    return table(S, cp, balance).reshape(cp, tp, S // (cp * tp))
 
 
 def positions(S: int, cp: int, rank: int, balance: str = "zigzag") -> np.ndarray:

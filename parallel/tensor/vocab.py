@@ -36,15 +36,16 @@ def _owned(ids, start, n):
 
 def vocab_embedding_forward(tp, tokens, tok, pos, *, sp=False, positions=None):
     """tokens (B, S) full; tok (V/R, H) this rank's rows; pos (T, H) -> x (B, S_l, H), cache.
-    positions (S,): the columns' global positions (context parallelism; None = 0..S-1)."""
+    positions (S,): the columns' global positions (context parallelism; None = 0..S-1); under
+    SP this rank adds the rows of its S/R slice of them (parallel/context/layout.sp_table)."""
     S = tokens.shape[1]
     local, mine = _owned(tokens, tp.rank * tok.shape[0], tok.shape[0])
     part = tok[local]  # (B, S, H)
     part[~mine] = 0  # ids another rank owns contribute nothing here
     x = leave(tp, part, sp)  # g: the sum over ranks has exactly one non-zero term per token
-    s = seq_slice(S, tp.size, tp.rank) if sp else slice(0, S)
-    if positions is not None:  # cp (never with SP: parallel.Layout refuses the pair)
-        s = np.asarray(positions)  # distinct rows: dpos[s] = ... below is exact
+    s = seq_slice(S, tp.size, tp.rank) if sp else slice(0, S)  # this rank's local columns
+    if positions is not None:  # cp: the global positions of the columns, cut by SP as they are
+        s = np.asarray(positions)[s]  # distinct rows: dpos[s] = ... below is exact
     x = down(up(x) + up(pos[s]), tok.dtype)
     return x, (local, mine, tok.shape, pos.shape, s, sp, tok.dtype)
 

@@ -1,6 +1,7 @@
 """Context parallelism through parallel.train under MPI: cp x dp (2 processes: cp 2; 4: cp 2 x
-tp 2, zigzag ring) equals the single-rank reference (float64 1e-12), sends nd_cost.rank_bytes on
-every process, and is bitwise the run of the same layout on virtual ranks."""
+tp 2, zigzag ring and ulysses; with sequence parallelism, 4 only: ring and all-gather) equals the
+single-rank reference (float64 1e-12), sends nd_cost.rank_bytes on every process, and is bitwise
+the run of the same layout on virtual ranks."""
 
 from __future__ import annotations
 
@@ -20,10 +21,14 @@ pytestmark = pytest.mark.mpi
 HYPER = {"weight_decay": 0.1, "lr": 3e-3, "max_norm": 0.3}
 
 
-@pytest.mark.parametrize("method", ["ring", "ulysses"])
-def test_cp_train_under_mpi_equals_reference_and_virtual(comm, method):
+@pytest.mark.parametrize("method,sp", [("ring", False), ("ulysses", False), ("ring", True),
+                                       ("all-gather", True)])  # fmt: skip
+def test_cp_train_under_mpi_equals_reference_and_virtual(comm, method, sp):
     n = comm.size
-    layout = Layout(cp=2, tp=n // 2, cp_method=method, recompute="selective")
+    if sp and n < 4:
+        pytest.skip("sequence parallelism needs tp > 1: cp 2 x tp 2 (mpiexec -n 4)")
+    layout = Layout(cp=2, tp=n // 2, cp_method=method, recompute="selective",
+                    sequence_parallel=sp)  # fmt: skip
     cfg = ModelConfig(vocab_size=16, max_seq_len=8, d_model=8, n_heads=4, n_layers=2, d_ff=16)
     batches = lambda s: synthetic_batch(7, s, 2, 8, cfg.vocab_size)
     run = parallel.train(comm, layout, cfg, batches, 2, **HYPER)

@@ -20,7 +20,7 @@ def test_one_error_names_every_problem_and_what_would_fit():
     msg = str(e.value)
     for fragment in (
         "dp*pp*cp*tp = 2*4*2*3 = 48 but the world has 8 ranks",
-        "cp > 1 with sequence_parallel",  # cp (and S=5 into 4 zigzag chunks)
+        "S=5 does not split into cp=2 ranks' S/cp positions cut into tp=3",  # cp x SP
         "ep=2 with cp=2",  # ep and cp together
         "ep=2 needs an MoE model",  # ep
         "tp=3 does not divide n_heads=2",
@@ -28,10 +28,9 @@ def test_one_error_names_every_problem_and_what_would_fit():
         "tp=3 does not divide vocab_size=16",
         "4*1 = 4 virtual stages but the model has only 2 blocks",
         "batch B=8 is not divisible by dp*microbatches = 2*3 = 6; microbatches could be one of [1, 2, 4]",
-        "S=5 is not divisible by tp=3",
     ):  # fmt: skip
         assert fragment in msg, (fragment, msg)
-    assert msg.count("\n  - ") == 12  # one line per problem (d_ff, d_model, cp S, ep x cp too)
+    assert msg.count("\n  - ") == 10  # one line per problem (d_ff, d_model, cp x SP S, ep x cp too)
 
 
 @pytest.mark.parametrize(

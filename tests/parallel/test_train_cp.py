@@ -3,7 +3,9 @@ x tp x dp, x pp) equals the single-rank reference on the same global batch - eve
 every gradient and the parameters after k steps on EVERY rank (its TP shards and the gathered
 model), float64 ~1e-12, with weight decay and clipping; every rank's bytes by axis equal
 nd_cost.rank_bytes, and the new "cp" axis equals parallel/context/cost.attention_bytes times
-blocks x micro-batches, computed here from the cost module directly."""
+blocks x micro-batches, computed here from the cost module directly; every block's activation
+bytes equal context/cost.py's (block_activation_bytes, or tp_block_activation_bytes under tp).
+cp x tp with sequence parallelism: tests/parallel/context/test_train_sp.py."""
 
 from __future__ import annotations
 
@@ -84,6 +86,13 @@ def check_cp(layout, cfg=None, *, B=4, S=8):
                                               recompute=layout.recompute,
                                               balance=layout.cp_balance)  # fmt: skip
             assert set(run.act_bytes.values()) == {act}, (where, run.act_bytes, act)
+        else:  # the TP block's cache (SP: its S_local/t slices) with the cp attention's
+            act = cost.tp_block_activation_bytes(cfg, layout.cp_method, b, S, C, t,
+                                                 sp=layout.sequence_parallel,
+                                                 regather=layout.regather, rank=run.coords["cp"],
+                                                 recompute=layout.recompute,
+                                                 balance=layout.cp_balance)  # fmt: skip
+            assert set(run.act_bytes.values()) == {act}, (where, run.act_bytes, act)
         static = nd_cost.rank_static_memory(cfg, layout, run.coords["pp"])  # ZeRO on dp x cp
         assert {k: run.memory["current"][k] for k in static} == static, where
         peak = nd_cost.rank_peak_memory(cfg, layout, run.coords["pp"])
@@ -158,11 +167,10 @@ def test_gradients_summed_over_dp_only_fail(monkeypatch):
 
 def test_refusals():
     cfg = _cfg(A=2)
-    bad = Layout(cp=2, tp=2, dp=2, sequence_parallel=True, cp_method="ulysses")
+    bad = Layout(cp=2, tp=2, dp=2, cp_method="ulysses")  # with SP: tests/parallel/context/
     msg = "\n".join(bad.problems(8, cfg, (4, 6)))
     assert "S=6 does not split into 4 equal 2 cp chunks" in msg and "'contiguous'" in msg
     assert "n_heads=1 is not divisible by cp=2 (the heads per tp rank" in msg
-    assert "cp > 1 with sequence_parallel" in msg
     assert "cp_method='bogus'" in "".join(Layout(cp=2, cp_method="bogus").problems(2))
     assert "cp_balance='x'" in "".join(Layout(cp=2, cp_balance="x").problems(2))
     assert Layout(cp=2, cp_balance="contiguous").problems(2, cfg, (2, 6)) == []
