@@ -5,7 +5,7 @@ train.py   parallel.train(comm, layout, cfg, batches, steps): the ONE program fo
 layer.py   LayerContext: which function computes each layer on this rank (single / TP / SP)
 data/      DDP, ZeRO-1/2/3, FSDP units, the dp axis hooks   tensor/  Megatron TP, SP, vocab
 pipeline/  schedules, the executor (the model driver), bubble   check/  comparing with the reference
-expert/    expert parallelism (ep_train)                 context/  context parallelism (cp_train)
+expert/    expert parallelism (ep_train on train.py)     context/  context parallelism (cp_train)
 testing/   a kit for checking your own layouts
 clip.py    global-norm clipping for every layout          nd_cost.py  per-axis byte/memory formulas
 """

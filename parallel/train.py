@@ -26,7 +26,10 @@ parallel/nd_cost.py has the formulas.
 ep > 1 (parallel/expert/nd.py): experts E/ep per rank over the ep group drawn from dp (at the
 same cp coordinate), hooks nd.ep_axis (a DataAxis of two parts: dense tensors over dp (x cp),
 experts over edp (x cp): edp/dp/*, DDP or ZeRO-1/2/3, one norm), all-to-alls under
-ep/<layer>/mb<j>/<fwd|bwd>/<phase>; formulas nd.ep_layer_bytes, rank_bytes, static_memory.
+ep/<layer>/mb<j>/<fwd|bwd>/<phase>; formulas nd.ep_layer_bytes, rank_bytes, static_memory. Route
+records per step, MoE layer and micro-batch: NDRun.ep_counts (kept, C) and NDRun.ep_routes (load
+table, counts received, decisions; parallel/expert/load.py LayerRoute); parallel/expert/train.py
+moe_records adds each one's all-to-all bytes by phase from the ledger.
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ class NDRun:
     # ep > 1: per step {(layer, mb): (kept (E,), C)}: this rank's kept copies per expert and slot
     # total of each MoE block's groups (parallel/expert/nd.py moe_pair; the bytes formula's input)
     ep_counts: list = dataclasses.field(default_factory=list)
+    # ep > 1: per step {(layer, mb): LayerRoute}: load table, counts received, routing decisions
+    ep_routes: list = dataclasses.field(default_factory=list)
+    local_opt: dict = dataclasses.field(default_factory=dict)  # AdamW {"m", "v"}: local (zero 0)
 
 
 def axis_bytes(ledger, records, tags=AXIS_TAGS) -> dict:
@@ -135,13 +141,14 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
     mem = comm.memory
     mem.reset_peak()
     record: dict = {}  # ep > 1: (layer, mb) -> (kept, C) of the current step
+    routes: dict = {}  # ep > 1: (layer, mb) -> LayerRoute of the current step
     if layout.ep > 1:  # parallel/expert/nd.py: experts E/ep per rank, two parts, one norm
         emesh = ep_mesh(comm, layout)
         ep = emesh["ep"]
         master = nd_ep.shard_experts(master, ep.rank, cfg.n_experts // ep.size)
         ctx = LayerContext(tp=tp, sp=layout.sequence_parallel, regather=layout.regather,
                            cp=mesh["cp"], cp_method=layout.cp_method, ep=ep, act_bytes={},
-                           moe=nd_ep.moe_pair(ep, layout.dispatch, record))  # fmt: skip
+                           moe=nd_ep.moe_pair(ep, layout.dispatch, record, routes))  # fmt: skip
         axis = nd_ep.ep_axis(data, emesh, master, cfg, layout, tp=tp, pp=pp, hyper={"lr": lr,
                              "betas": betas, "eps": eps, "weight_decay": weight_decay},
                              max_norm=max_norm, mem=mem,
@@ -175,6 +182,7 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
                 mbs = _cp_columns(ctx, run, mbs, S, C, layout.cp_balance)
             axis.begin_step()
             record.clear()
+            routes.clear()
             mark = comm.ledger.mark()
             _, loss, done, peak = run_schedule(
                 pp, sched, split, None, mbs, cfg, ce_denom=tokens.size,
@@ -187,6 +195,7 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
             run.step_bytes.append(axis_bytes(comm.ledger, comm.ledger.since(mark), tags))
             if ep is not None:
                 run.ep_counts.append(dict(record))
+                run.ep_routes.append(dict(routes))
             # the global loss: stage shares summed over pp, then dp (uncounted control plane)
             share = sum(pp.allgather_object(loss), 0.0)
             run.losses.append(sum(data.allgather_object(share), 0.0))  # dp (x cp)
@@ -196,6 +205,8 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
             run.executed, run.in_flight = done, max(run.in_flight, peak)
         lp, lg = axis.local_state()
         run.local_params, run.local_grads = lp, lg
+        opt = getattr(axis, "opt", None)  # one AdamW over the local tensors (None under ZeRO)
+        run.local_opt = {"m": opt.m, "v": opt.v} if opt is not None else {}
         every = tp.allgather_object((lp, lg))  # uncounted: the check, not the training
         # every tp rank computes the replicated tensors identically: their copies agree bitwise
         run.replica_mismatch = replica_mismatch(every, plan) if lg else []

@@ -62,6 +62,8 @@ RUNS = [
     ("07_expert_parallel.py", 4, ["--ep", "4", "--dispatch", "padded"]),
     ("07_expert_parallel.py", 8, ["--dp", "2", "--ep", "4", "--top-k", "3", "--grad-sync", "ddp"]),
     ("07_expert_parallel.py", 4, ["--ep", "2", "--top-k", "8", "--dtype", "mixed"]),  # K = E
+    ("07_expert_parallel.py", 8, ["--dp", "2", "--ep", "2", "--tp", "2"]),  # dp x ep x tp
+    ("07_expert_parallel.py", 8, ["--dp", "2", "--ep", "2", "--pp", "2", "--dispatch", "padded"]),
     ("08_context_parallel.py", 4, ["--cp", "4", "--method", "ring", "--balance", "zigzag"]),
     ("08_context_parallel.py", 4, ["--cp", "4", "--method", "all-gather"]),
     ("08_context_parallel.py", 4, ["--cp", "4", "--method", "ulysses"]),

@@ -53,6 +53,7 @@ from parallel.data.cost import step_bytes as dp_step_bytes
 from parallel.data.flat import make_buckets, make_layout
 from parallel.expert import cost as ep_cost
 from parallel.expert.layer import ep_moe_backward, ep_moe_forward
+from parallel.expert.load import layer_route
 from parallel.expert.sync import is_expert
 from parallel.tensor import cost as tp_cost
 from parallel.tensor.block import megatron_plan
@@ -118,10 +119,11 @@ def _rooted(tag: str):
         state.tags = saved
 
 
-def moe_pair(ep, dispatch: str, record: dict):
+def moe_pair(ep, dispatch: str, record: dict, log: dict | None = None):
     """(forward, backward) with emulator's moe_fn signatures plus ``where`` (the block's cache
     name "mb<j>.blocks.<i>", bound by LayerContext). record[(layer, mb)] = (kept (E,), C): the
-    kept token copies per expert and the slot total of this rank's groups (the formula's input)."""
+    kept token copies per expert and the slot total of this rank's groups (the formula's input);
+    log[(layer, mb)]: the LayerRoute (load table, counts, decisions; parallel/expert/load.py)."""
 
     def forward(mp, m, groups, *, top_k, capacity_factor, where):
         mb, layer = where.split(".", 1)
@@ -133,6 +135,8 @@ def moe_pair(ep, dispatch: str, record: dict):
         E = mp["router"].shape[1]
         kept = ep_cost.kept_table([cache["routes"]], E)[0]
         record[(layer, int(mb[2:]))] = (kept, sum(int(r["C"]) for r in cache["routes"]))
+        if log is not None:
+            log[(layer, int(mb[2:]))] = layer_route(cache, E, m.shape[1])
         cache["where"] = tag
         return y, aux, cache
 

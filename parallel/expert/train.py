@@ -1,73 +1,61 @@
-"""ep x dp training: every block's MoE over an expert-parallel group, the rest data-parallel,
-comparable with emulator.reference.reference_train on the same global batch and routing groups.
+"""ep x dp training, comparable with emulator.reference.reference_train on the same global batch
+and routing groups: a thin recipe on the one N-D program, parallel.train(comm, Layout(dp=world,
+ep=ep, ...)) - expert parallelism is the ep slot of its Layout (parallel/expert/nd.py).
 
 Shape letters: D world ranks (all data-parallel), P = ep, E experts, El = E / P.
 
-The ranks form Mesh(edp = D / P, ep = P) (ep last: an ep group is P neighbouring ranks, as in
-Megatron-core). Every rank takes its data-parallel slice of the batch (emulator.data.shard_batch)
+The N-D program lays Mesh(edp = D / P, ep = P) inside dp (ep inner: an ep group is P
+neighbouring ranks, as in Megatron-core). Every rank takes its data-parallel slice of the batch
 and routes its own tokens, so rank r's micro-batch j is the reference's micro-batch r k + j and
 its routing groups are the reference's for that micro-batch (one per micro-batch by default).
 Rank r holds every replicated parameter and the experts c El .. (c+1) El - 1 of every block,
-c = its ep coordinate. Gradients (parallel/expert/sync.py: per-tensor all-reduce, or DDP buckets):
-  replicated gradients   summed over all D ranks (the data-parallel group; tags dp/...)
-  expert gradients       already complete over the ep group's tokens (the all-to-alls carried
-                         them); summed over the D / P ranks holding the same experts (tags
-                         edp/..., the "expert-data-parallel" group of Megatron / DeepSpeed)
-Clipping: one global norm over the ep group, replicated gradients weighted 1/P (parallel/clip.py).
-Then AdamW on the local parameters - elementwise, so it commutes with the expert split.
+c = its ep coordinate. Gradients (parallel/expert/nd.py ep_axis, zero 0): the micro-batches summed
+locally, then replicated gradients by DDP over all D ranks (tags dp/grads/bucket*) and expert
+gradients - already complete over the ep group's tokens - by DDP over the D / P ranks holding
+the same experts (tags edp/dp/grads/bucket*); ``grad_sync``: "ddp" buckets of bucket_cap_mb,
+"allreduce" one bucket per tensor (a per-tensor all-reduce). One clipping norm over the ep group
+(replicated gradients weighted 1/P), then AdamW on the local parameters.
+
+What this adds to the NDRun: the run in ep_train's shapes (EPRun: this rank's local tensors,
+per step / micro-batch / layer the load table, counts, decisions and the ledger's all-to-all
+bytes by phase) and FullView, every rank's run back at full shape for parallel/check/data.py.
+examples/07_expert_parallel.py reads any N-D run (tp, pp too) with moe_records / full_state.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from functools import partial
 
 import numpy as np
 
-from emulator import Mesh, scope
-from emulator.block import block_backward, block_forward
-from emulator.data import shard_batch, split_microbatches
-from emulator.guards import check_finite, check_training
-from emulator.model import (
-    block_params,
-    check_inputs,
-    embed_backward,
-    embed_forward,
-    head_backward,
-    head_forward,
-    init_params,
-    to_compute,
-)
-from emulator.optim import AdamW
-from emulator.reference import account_state
-from parallel.check.routing import decisions
-from parallel.clip import clip_
-from parallel.data.common import loss_scales
-from parallel.expert.layer import check_ep, ep_moe_backward, ep_moe_forward
-from parallel.expert.sync import MODES, is_expert, make_sync
+from emulator.guards import check_training
+from parallel.expert.cost import PHASES
+from parallel.expert.layer import check_ep
+from parallel.expert.sync import is_expert
+from parallel.layout import Layout
+from parallel.tensor.shard import REPLICATE, unshard
+from parallel.train import train
+
+GRAD_SYNCS = ("allreduce", "ddp")
+PER_TENSOR_MB = 1e-9  # "allreduce": every tensor (>= 1 byte) closes its own DDP bucket
 
 
 @dataclasses.dataclass
 class EPRun:
-    losses: list  # global loss per step (every rank's share, summed in the reference's order)
+    losses: list  # global loss per step
     grad_norms: list  # global norm before clipping
     grads: dict  # last step's synced gradient, before clipping: this rank's (local) shapes
     params: dict  # final local parameters (experts: this rank's slice)
-    moe: list  # [step][micro-batch][layer] -> {"routes", "counts", "decisions", "bytes"}
-    # (routes / counts are None under recompute="full": the block keeps only its input)
+    moe: list  # [step][micro-batch][layer] -> moe_records' dict (load, counts, decisions,
+    # kept, C, bytes); empty layer lists at ep = 1 (the single-rank MoE block: no all-to-all)
     memory: dict  # the MemoryLedger snapshot at the end
     ep_rank: int
     n_local: int  # El
-    opt_state: dict = dataclasses.field(default_factory=dict)  # {"m", "v"}: local shapes
-    layouts: dict = dataclasses.field(default_factory=dict)  # ddp: {"dense", "experts"} buckets
-    step_bytes: list = dataclasses.field(default_factory=list)  # [step] {"dp", "edp"}: (s, r)
-
-
-def shard_experts(params, c: int, El: int) -> dict:
-    """Full parameters -> rank's: expert tensors sliced to experts c El .. (c+1) El - 1 (copies)."""
-    sl = slice(c * El, (c + 1) * El)
-    return {n: (a[sl] if is_expert(n) else a).copy() for n, a in params.items()}
+    opt_state: dict  # {"m", "v"}: local shapes
+    layouts: dict  # {"dense", "experts"}: the DDP buckets over dp and over edp
+    step_bytes: list  # [step] {"dp", "edp"}: (sent, received) of the gradient DDPs
+    coords: dict  # the N-D run's {axis: index} (dp, pp, cp, tp, ep, edp)
+    records: list  # [step] {(layer, mb): moe_records' dict}
 
 
 def check_axes(D: int, ep: int, cfg) -> int:
@@ -92,132 +80,120 @@ def check_batch(D: int, batch: int, k: int) -> None:
 def ep_train(comm, cfg, seed, batches, steps, *, ep, microbatches=1, dispatch="exact", lr=1e-3,
              betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=None, groups_fn=None,
              recompute="none", grad_sync="allreduce", bucket_cap_mb=25.0) -> EPRun:  # fmt: skip
-    """Train ``steps`` steps; ``grad_sync``: "allreduce" or "ddp" (parallel/expert/sync.py)."""
+    """Train ``steps`` steps of Layout(dp=comm.size, ep=ep) through parallel.train."""
     check_training("ep_train", steps=steps, microbatches=microbatches, lr=lr, betas=betas,
                    eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
-    D, k = comm.size, microbatches
-    El = check_axes(D, ep, cfg)
-    if grad_sync not in MODES:
-        raise ValueError(f"grad_sync={grad_sync!r} must be one of {MODES}")
-    mesh = Mesh(comm, edp=D // ep, ep=ep)
-    c = mesh.coord("ep")
-    params = shard_experts(init_params(cfg, seed), c, El)
-    opt = AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    moe_fn = (partial(ep_moe_forward, mesh["ep"], dispatch=dispatch), ep_moe_backward)
-    mem = comm.memory
-    mem.reset_peak()
-    account_state(mem, cfg, params, opt)  # the reference's static categories, local sizes
-    statics = [("params", "master"), ("grads", "grads"), ("optimizer", "adamw")]
-    statics += [("params", "compute_copy")] if cfg.dtype == "mixed" else []
-    if grad_sync == "ddp":  # the DDP bucket buffers hold the gradients instead
-        mem.free("grads", "grads")
-        statics.remove(("grads", "grads"))
-    sync = make_sync(grad_sync, comm, mesh["edp"], params, bucket_cap_mb=bucket_cap_mb,
-                     dtype=cfg.dtype, mem=mem)  # fmt: skip
-    run = EPRun([], [], {}, {}, [], {}, c, El)
-    if grad_sync == "ddp":
-        run.layouts = {"dense": sync.dense.layouts, "experts": sync.experts.layouts}
-    try:
-        for step in range(steps):
-            tokens, targets = batches(step) if callable(batches) else batches[step]
-            tokens, targets = check_inputs(tokens, targets, cfg)
-            check_batch(D, tokens.shape[0], k)
-            mbs = split_microbatches(*shard_batch(tokens, targets, comm.rank, D), k)
-            b, S = tokens.shape[0] // (D * k), tokens.shape[1]
-            groups = [groups_fn(step, g, b, S) if groups_fn else None for g in range(D * k)]
-            n_groups = [1 if g is None else len(g) for g in groups]
-            compute, shares, infos = to_compute(params, cfg), [], []
-            step_mark = comm.ledger.mark()
-            for j, (t, y) in enumerate(mbs):
-                g = comm.rank * k + j
-                ce_denom, aux_scale = loss_scales(tokens.size, n_groups[g], sum(n_groups))
-                mark = comm.ledger.mark()
-                ctx = sync.no_sync() if j < k - 1 else contextlib.nullcontext()
-                with ctx:
-                    share, info = _microbatch(compute, t, y, cfg, ce_denom, aux_scale, groups[g],
-                                              moe_fn, recompute, mem, j, sync.grad_ready)  # fmt: skip
-                recs = comm.ledger.since(mark)
-                for layer, lb in zip(info, layer_bytes(comm, recs, cfg.n_layers)):
-                    layer["bytes"] = lb
-                shares.append(share)
-                infos.append(info)
-            run.moe.append(infos)
-            run.losses.append(sum(s for every in comm.allgather_object(shares) for s in every))
-            acc = sync.finish()
-            sync.zero_grad()
-            recs = comm.ledger.since(step_mark)
-            run.step_bytes.append({
-                g: (comm.ledger.sent(recs, tag=f"{g}/*"), comm.ledger.received(recs, tag=f"{g}/*"))
-                for g in ("dp", "edp")
-            })  # fmt: skip
-            run.grads = {n: a.copy() for n, a in acc.items()}
-            weights = {n: 1.0 / ep for n in acc if not is_expert(n)}
-            run.grad_norms.append(clip_(acc, max_norm, (mesh["ep"],), weights=weights)[0])
-            check_finite(step, rank=comm.rank, loss=run.losses[-1], grad_norm=run.grad_norms[-1],
-                         where="ep_train")  # fmt: skip
-            opt.step(params, acc)
-        run.params = {n: p.copy() for n, p in params.items()}
-        run.opt_state = {"m": opt.m, "v": opt.v}
-        run.memory = mem.snapshot()
-        return run
-    finally:
-        sync.close()
-        for cat, name in statics:
-            mem.free(cat, name)
+    El = check_axes(comm.size, ep, cfg)
+    if grad_sync not in GRAD_SYNCS:
+        raise ValueError(f"grad_sync={grad_sync!r} must be one of {GRAD_SYNCS}")
+    cap = PER_TENSOR_MB if grad_sync == "allreduce" else bucket_cap_mb
+    layout = Layout(dp=comm.size, ep=ep, microbatches=microbatches, dispatch=dispatch,
+                    recompute=recompute, dtype=cfg.dtype, bucket_cap_mb=cap)  # fmt: skip
+    mark = comm.ledger.mark()
+    run = train(comm, layout, cfg, batches, steps, seed, lr=lr, betas=betas, eps=eps,
+                weight_decay=weight_decay, max_norm=max_norm, groups_fn=groups_fn)  # fmt: skip
+    recs, led = comm.ledger.since(mark), comm.ledger
+    records = moe_records(run, recs)
+    blocks = [f"blocks.{i}" for i in range(cfg.n_layers)]
+    moe = [[[st[(b, j)] for b in blocks if (b, j) in st] for j in range(microbatches)]
+           for st in records] if records else [[[]] * microbatches] * steps  # fmt: skip
+    step_bytes = []
+    for step in range(steps):
+        mine = [r for r in recs if r.step == step]
+        step_bytes.append({g: (led.sent(mine, tag=t), led.received(mine, tag=t))
+                           for g, t in (("dp", "dp/grads*"), ("edp", "edp/*"))})  # fmt: skip
+    split = {"dense": [], "experts": []}
+    for lay in run.layouts:
+        split["experts" if is_expert(lay.names[0]) else "dense"].append(lay)
+    c = run.coords.get("ep", 0)
+    return EPRun(run.losses, run.grad_norms, run.local_grads, run.local_params, moe, run.memory,
+                 c, El, run.local_opt, split, step_bytes, run.coords, records)  # fmt: skip
 
 
-def _microbatch(p, tokens, targets, cfg, ce_denom, aux_scale, groups, moe_fn, recompute, mem, j,
-                ready):  # fmt: skip
-    """model_forward / model_backward's arithmetic with the ep MoE block; ledger tags
-    blocks.i/ep/...; ready(layer, grads) as each layer's backward finishes
-    -> (loss share, [per layer {"routes", "counts", "decisions"}])."""
-    x, ecache = embed_forward(p, tokens)
-    caches, aux = [], []
-    for i in range(cfg.n_layers):
-        kw = {"recompute": recompute, "groups": groups, "mem": mem, "name": f"mb{j}.blocks.{i}"}
-        with scope(f"blocks.{i}"):
-            x, cache = block_forward(block_params(p, i), x, cfg, moe_fn=moe_fn, **kw)
-        caches.append(cache)
-        aux.append(cache["aux"])
-    ce, hcache = head_forward(p, x, targets, cfg, denom=ce_denom)
-    loss = float(ce) + cfg.aux_loss_coef * aux_scale * sum(aux)
-    daux = cfg.aux_loss_coef * aux_scale
-    dx, g = head_backward(1.0, hcache)
-    ready("head", g)
-    for i in reversed(range(cfg.n_layers)):
-        with scope(f"blocks.{i}"):
-            dx, dbp = block_backward(dx, caches[i], daux=daux)
-        ready(f"blocks.{i}", {f"blocks.{i}.{n}": d for n, d in dbp.items()})
-    ready("embed", embed_backward(dx, ecache))
-    infos = []
-    for cache in caches:
-        moe = cache["saved"].get("moe")  # absent under recompute="full" (only x is kept)
-        info = {k: None if moe is None else moe[k] for k in ("routes", "counts")}
-        pairs = None if moe is None else list(zip(moe["groups"], moe["routes"]))
-        info["decisions"] = None if moe is None else decisions(pairs, tokens.shape[1])
-        infos.append(info)
-    return loss, infos
-
-
-def layer_bytes(comm, records, n_layers: int) -> list[dict]:
-    """Per layer {phase: (sent, received)} of the ep all-to-alls in ``records``."""
-    phases = ("fwd/counts", "fwd/dispatch", "fwd/combine", "bwd/combine", "bwd/dispatch")
-    led = comm.ledger
-    return [
-        {ph: (led.sent(records, tag=f"blocks.{i}/ep/{ph}"),
-              led.received(records, tag=f"blocks.{i}/ep/{ph}")) for ph in phases}
-        for i in range(n_layers)
-    ]  # fmt: skip
+def moe_records(run, records) -> list[dict]:
+    """An NDRun (ep > 1) and this rank's ledger records of it -> per step {(layer, mb): {"load",
+    "counts", "decisions" (NDRun.ep_routes), "kept", "C" (NDRun.ep_counts), "bytes": {phase:
+    (sent, received)} of the all-to-alls tagged ep/<layer>/mb<j>/<phase>}}. [] at ep = 1."""
+    moved: dict = {}
+    for r in records:
+        if r.tag.startswith("ep/"):
+            key = (r.step, r.tag, r.direction)
+            moved[key] = moved.get(key, 0) + r.nbytes
+    out = []
+    for s, (counts, routes) in enumerate(zip(run.ep_counts, run.ep_routes)):
+        step = {}
+        for (layer, j), lr in routes.items():
+            tags = {ph: f"ep/{layer}/mb{j}/{ph}" for ph in PHASES}
+            step[(layer, j)] = {
+                "load": lr.load, "counts": lr.counts, "decisions": lr.decisions,
+                "kept": counts[(layer, j)][0], "C": counts[(layer, j)][1],
+                "bytes": {ph: (moved.get((s, t, "send"), 0), moved.get((s, t, "recv"), 0))
+                          for ph, t in tags.items()},
+            }  # fmt: skip
+        out.append(step)
+    return out
 
 
 def reference_slices(ref_params, c: int, El: int) -> dict:
-    """The reference's full parameters cut to this rank's shapes (for comparisons)."""
-    return shard_experts(ref_params, c, El)
+    """The reference's full parameters cut to rank c's expert slice (for comparisons)."""
+    sl = slice(c * El, (c + 1) * El)
+    return {n: (a[sl] if is_expert(n) else a).copy() for n, a in ref_params.items()}
+
+
+# ---- every rank's run at full shape (uncounted: the check, not the training) -----------------
+def _twin_key(coords: dict) -> tuple:
+    return tuple(sorted((a, v) for a, v in coords.items() if a not in ("dp", "edp")))
+
+
+def replica_problems(parts, what: str) -> list[str]:
+    """parts: [(coords, {name: local array})] of every rank. An edp replica (edp > 0) holds the
+    experts and replicated tensors of its twin (edp 0, same ep / pp / tp), summed by the same
+    DDPs in the same order: bitwise equal, or one message per differing tensor."""
+    twins = {_twin_key(c): d for c, d in parts if c.get("edp", 0) == 0}
+    bad = []
+    for c, d in parts:
+        twin = twins[_twin_key(c)]
+        bad += [f"{what} {n}: rank at {c} differs from its edp twin" for n, a in d.items()
+                if np.asarray(a).tobytes() != np.asarray(twin[n]).tobytes()]  # fmt: skip
+    return bad
+
+
+def full_state(parts, plan=None) -> dict:
+    """parts: [(coords, {name: local array})] of every rank -> full shapes: each stage's tp
+    shards joined by ``plan`` (parallel.tensor.shard.unshard; None: nothing tp-sharded), the
+    experts concatenated in ep order, the stages merged. Only edp-0 ranks are read."""
+    stages: dict = {}
+    for c, d in parts:
+        if c.get("edp", 0) == 0:
+            stages.setdefault((c.get("pp", 0), c.get("ep", 0)), {})[c.get("tp", 0)] = d
+    out: dict = {}
+    for (_, e), by_tp in sorted(stages.items()):
+        shards = [by_tp[t] for t in sorted(by_tp)]
+        whole = unshard(shards, plan or {n: REPLICATE for n in shards[0]})
+        for n, a in whole.items():
+            if is_expert(n):
+                out.setdefault(n, []).append(a)  # stages sorted: ep order within each
+            elif e == 0:
+                out[n] = a
+    return {n: np.concatenate(a) if isinstance(a, list) else a for n, a in out.items()}
+
+
+def routing_of(parts, micro: int, n_layers: int) -> list:
+    """parts: [(coords, records)] of every rank (moe_records' lists) -> [step][global
+    micro-batch d k + j][layer] -> [Route per group], read from the tp-0 ranks of each stage."""
+    by: dict = {}
+    for c, steps in parts:
+        if c.get("tp", 0) == 0:
+            for s, st in enumerate(steps):
+                by.setdefault((s, c["dp"]), {}).update(st)
+    D = 1 + max(c["dp"] for c, _ in parts)
+    return [[[by[(s, d)][(f"blocks.{i}", j)]["decisions"] for i in range(n_layers)]
+             for d in range(D) for j in range(micro)] for s in range(len(parts[0][1]))]  # fmt: skip
 
 
 @dataclasses.dataclass
 class FullView:
-    """Every rank's EPRun put back to full shape, as parallel/check/data.py's compare_dp reads a
+    """Every rank's run put back to full shape, as parallel/check/data.py's compare_dp reads a
     data-parallel run: losses, grads, params, opt_state {"m", "v"}, routing [step][global
     micro-batch r k + j][layer] -> [Route per group]."""
 
@@ -229,26 +205,20 @@ class FullView:
     routing: list
 
 
-def assemble(runs, ep: int) -> FullView:
-    """runs: the EPRun of every world rank, in rank order (gathered uncounted). Experts are cut
-    along axis 0 by ep coordinate (ranks 0..ep-1 hold coordinates 0..ep-1); replicated tensors
-    come from rank 0. Raises if a replica disagrees bitwise with the rank it copies."""
-    for r, run in enumerate(runs):  # edp replicas are summed by the same all-reduce: same bits
-        twin = runs[r % ep]
-        for n, a in run.params.items():
-            if a.tobytes() != twin.params[n].tobytes():
-                raise AssertionError(f"rank {r} holds {n} differently from rank {r % ep}")
+def assemble(runs, ep: int | None = None) -> FullView:
+    """runs: the EPRun of every world rank (gathered uncounted). Raises if an edp replica
+    disagrees bitwise with the rank it copies. (``ep``: unused, the coords say it.)"""
+    bad = replica_problems([(r.coords, r.params) for r in runs], "param")
+    if bad:
+        raise AssertionError(bad[0])
 
     def full(get):
-        return {
-            n: np.concatenate([get(runs[c])[n] for c in range(ep)]) if is_expert(n) else a
-            for n, a in get(runs[0]).items()
-        }
+        return full_state([(r.coords, get(r)) for r in runs])
 
-    routing = [
-        [[lay["decisions"] for lay in mb] for run in runs for mb in run.moe[s]]
-        for s in range(len(runs[0].moe))
-    ]
-    opt = {k: full(lambda run, k=k: run.opt_state[k]) for k in ("m", "v")}
-    return FullView(runs[0].losses, runs[0].grad_norms, full(lambda run: run.grads),
-                    full(lambda run: run.params), opt, routing)  # fmt: skip
+    micro, n_layers = len(runs[0].moe[0]), len(runs[0].moe[0][0])
+    routing = (
+        routing_of([(r.coords, r.records) for r in runs], micro, n_layers) if n_layers else None
+    )
+    opt = {k: full(lambda r, k=k: r.opt_state[k]) for k in ("m", "v")}
+    return FullView(runs[0].losses, runs[0].grad_norms, full(lambda r: r.grads),
+                    full(lambda r: r.params), opt, routing)  # fmt: skip
