@@ -3,11 +3,11 @@
     python -m emulator bench dryrun [--quick]
 
 Each row runs one optimizer step of the one N-D program (parallel.train) on shape-only arrays
-for every representative rank of the layout (planning/nd_dryrun.py: one per pipeline stage and cp rank,
-each standing for its dp x tp ranks; --workers processes, default 2, one per core) and prints the
-row's wall seconds, the CPU seconds of all its ranks together (each measured in the worker that
-ran it), the peak resident memory so far of this process and its workers (it only grows: rows
-run in order), the worst representative's ledgered state / activations / bytes sent, and
+for every representative rank of the layout (planning/nd_dryrun.py: one per pipeline stage and
+cp rank, each standing for its dp x tp ranks; --workers processes, default 2, one per core) and
+prints the row's wall seconds, the CPU seconds of all its ranks together (each measured in the
+worker that ran it), the peak resident memory so far of this process and its workers (it only
+grows: rows run in order), the worst representative's ledgered state / activations / bytes sent, and
 whether every representative's bytes per axis and memory peaks equal parallel/nd_cost.py's
 closed forms. The model is this project's GPT block at the preset's shape (its own parameter
 count, printed by `dryrun`; the ep row's an MoE of 8 experts, top-2, at that shape). Rows:

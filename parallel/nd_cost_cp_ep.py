@@ -65,7 +65,8 @@ def cp_block_bytes(cfg, layout, b: int, S: int, c: int, recompute: str) -> int:
     H, A = cfg.d_model // t, cfg.n_heads // t
     blk = b * S_l * H * x
     base = tp_cost.block_activation_bytes(cfg, b, S_l, t, sp=layout.sequence_parallel,
-                                          regather=layout.regather, recompute="selective")  # fmt: skip
+                                          regather=layout.regather,
+                                          recompute="selective")  # fmt: skip
     attn = cp_cost.cache_nbytes(method, b, S, H, A, C, x, keep_probs=recompute == "none",
                                 balance=layout.cp_balance, rank=c, acc_itemsize=y)  # fmt: skip
     return base - 3 * blk + attn - (blk if method == "ring" else 0) + 8 * S
@@ -75,8 +76,9 @@ def cp_peak_activations(cfg, layout, B: int, S: int, s: int, c: int) -> int:
     """rank_peak_activations of stage s on cp rank c: every unit as without cp at S/C tokens
     (the embedding's ids and the head's cache on the rank's own positions), each block's cache
     replaced by cp_block_bytes, and the embedding's cache holding the (C, S/C) positions table
-    (8 S: its positions are a row view, and the ledger charges a view's owner); full recompute's one recomputed block (the backward's rise) is
-    cp_block_bytes with recompute "none"."""
+    (8 S: its positions are a row view, and the ledger charges a view's owner); full
+    recompute's one recomputed block (the backward's rise) is cp_block_bytes with recompute
+    "none"."""
     sched = make_schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
     split = split_layers(cfg.n_layers, layout.pp * layout.chunks)
     b, S_l = B // (layout.dp * layout.microbatches), S // layout.cp
@@ -116,7 +118,8 @@ def ep_block_bytes(cfg, layout, b: int, S: int, recompute: str) -> int:
     if t == 1:
         return ep_cost.ep_block_activation_bytes(cfg, b, S, rows_in, recompute)
     whole = tp_cost.block_activation_bytes(cfg, b, S, t, sp=layout.sequence_parallel,
-                                           regather=layout.regather, recompute=recompute)  # fmt: skip
+                                           regather=layout.regather,
+                                           recompute=recompute)  # fmt: skip
     tp_cfg = dataclasses.replace(cfg, d_ff=cfg.d_ff // t)
     return whole - moe_group_bytes(tp_cfg, N) + ep_cost.ep_moe_activation_bytes(cfg, [N], rows_in)
 
@@ -180,8 +183,8 @@ def ep_rank_bytes(cfg, layout, B: int, S: int, coords: dict) -> dict:
     per = each * (2 * (1 + (layout.recompute == "full")) + 2)
     sched = make_schedule(layout.schedule, layout.pp, m, layout.chunks)
     S_l = S // t if layout.sequence_parallel else S
-    clip = sum(cost.ring_all_reduce(1, n, 8, r)[0]
-               for n, r in ((P, coords["ep"]), (t, coords["tp"]), (layout.pp, s)) if n > 1)  # fmt: skip
+    norm = ((P, coords["ep"]), (t, coords["tp"]), (layout.pp, s))  # the norm's groups, in order
+    clip = sum(cost.ring_all_reduce(1, n, 8, r)[0] for n, r in norm if n > 1)
     return {
         "dp": dp_bytes(cfg, layout, {n: x for n, x in shapes.items() if not is_expert(n)}),
         "edp": dp_bytes(cfg, layout, {n: x for n, x in shapes.items() if is_expert(n)}),

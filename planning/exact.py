@@ -158,8 +158,8 @@ def dry_notes(rows, ex, drys) -> list:
         if d is None:
             continue
         if d.activ != e.activ:
-            out.append(f"dry act - model = {d.activ - e.activ:+,} bytes ({r.name}): the embedding's "
-                       "token ids (stage 0, per micro-batch in flight) and the head's cache (final "
+            out.append(f"dry act - model = {d.activ - e.activ:+,} bytes ({r.name}): the "
+                       "embedding's token ids (stage 0, per micro-batch in flight) and the head's cache (final "
                        "LN, logits: the last stage) beside the blocks")  # fmt: skip
         if d.state != e.state:
             why = ZERO_UNITS.get(r.zero, "the layout's buffers")
@@ -193,7 +193,8 @@ def format_table(preset, rows, seq: int, b: int, gpu_gib: float, dry: bool = Fal
         if dry and d is None:
             line += f"{'n/a':>9}{'n/a':>9}"
         elif dry:
-            line += f"{d.state / GIB:9.1f}{d.activ / GIB:9.1f}  {'equal' if not d.differences else 'DIFFERENT':<9}{d.seconds:6.1f}"
+            same = "equal" if not d.differences else "DIFFERENT"
+            line += f"{d.state / GIB:9.1f}{d.activ / GIB:9.1f}  {same:<9}{d.seconds:6.1f}"
         lines.append(line.rstrip())
     lines.append("-" * len(head))
     lines.append(f"per block: {activation_bytes_per_block(cfg, b, seq) / GIB:.3f} GiB this model "

@@ -2,8 +2,8 @@
 for them: on every rank of cp and ep layouts drawn by hypothesis, the dry run's bytes (per tag
 and per axis) and memory (current and peak per category) equal the real run's on virtual ranks,
 and the real run's bytes per axis and peaks per category - activations included, by
-nd_cost_cp_ep.peak_activations (cp: the cp rank's S/C tokens and its method's attention cache; ep: the
-capacity-padded expert buffers) - equal the formulas exactly."""
+nd_cost_cp_ep.peak_activations (cp: the cp rank's S/C tokens and its method's attention cache;
+ep: the capacity-padded expert buffers) - equal the formulas exactly."""
 
 import dataclasses
 

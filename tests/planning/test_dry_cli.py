@@ -114,3 +114,17 @@ def test_plan_memory_dry_run_columns_equal_nd_cost_and_this_models():
             assert d.state == e.state, r.name
         if r.tp == r.pp == 1:  # beside the blocks: the embedding's ids and the head's cache
             assert d.activ - e.activ == head_activation_bytes(cfg, 1, 32), r.name
+
+
+def test_plan_memory_json_carries_the_dry_run():
+    from planning import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli.main(
+            ["memory", "--preset", "llama2-7b", "--gpus", "2", "--seq", "32", "--dry-run", "--json"]
+        )
+    rows = json.loads(out.getvalue())["rows"]
+    assert rc == 0 and len(rows) == 6
+    assert all(r["dry_run"]["differences_from_nd_cost"] == [] for r in rows)
+    assert [r["dry_run"]["representatives"] for r in rows] == [1, 1, 1, 1, 1, 2]  # PP: 2 stages
