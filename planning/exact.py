@@ -158,9 +158,11 @@ def dry_notes(rows, ex, drys) -> list:
         if d is None:
             continue
         if d.activ != e.activ:
-            out.append(f"dry act - model = {d.activ - e.activ:+,} bytes ({r.name}): the "
-                       "embedding's token ids (stage 0, per micro-batch in flight) and the head's cache (final "
-                       "LN, logits: the last stage) beside the blocks")  # fmt: skip
+            why = ("the embedding's token ids and, during a backward, one block's recomputed "
+                   "cache (the head's freed first)" if r.recompute == "full" else
+                   "the embedding's token ids (stage 0, per micro-batch in flight) and the head's "
+                   "cache (final LN, logits: the last stage) beside the blocks")  # fmt: skip
+            out.append(f"dry act - model = {d.activ - e.activ:+,} bytes ({r.name}): {why}")
         if d.state != e.state:
             why = ZERO_UNITS.get(r.zero, "the layout's buffers")
             out.append(f"dry st - model = {d.state - e.state:+,} bytes ({r.name}): {why}")

@@ -131,8 +131,9 @@ def report(preset, layout, B, S, runs, checks, total, course, n_params, show_tag
             "closed forms; course: the analytic model at the published count (docs/planning.md)"
         ),
         (
-            "stands for: every rank of a stage holds the same shapes and sends the same bytes per "
-            "tag (tests/planning/test_nd_dry_run.py); dp/clip's few bytes depend on the ring position"
+            "stands for: every rank of a stage (and cp rank) holds the same shapes and sends the "
+            "same bytes per tag (tests/planning/test_nd_dry_run.py, test_cp_ep_dry_run.py); "
+            "dp/clip's few bytes depend on the ring position"
         ),
     ]
     if layout.ep > 1:

@@ -128,3 +128,18 @@ def test_plan_memory_json_carries_the_dry_run():
     assert rc == 0 and len(rows) == 6
     assert all(r["dry_run"]["differences_from_nd_cost"] == [] for r in rows)
     assert [r["dry_run"]["representatives"] for r in rows] == [1, 1, 1, 1, 1, 2]  # PP: 2 stages
+
+
+def test_full_recompute_rows_differ_by_one_recomputed_block():
+    # the dry run's peak under full recompute: the layer inputs, the ids, and during a backward
+    # one block's whole cache (the head's freed first) - the note's reason, in bytes
+    from emulator.flops import activation_bytes_per_block
+    from planning import exact, memory, presets
+
+    p = presets.get("llama2-7b")
+    cfg = p.model_config(32)
+    for r in memory.strategies(p, 2, 32, 1, "full", 10)[:4]:  # DDP, ZeRO-1/2/3
+        e, d = exact.price(p, r, 32, 1), exact.dry_figures(p, r, 32, 1)
+        assert d.differences == [] and d.activ - e.activ == 8 * 32 + activation_bytes_per_block(
+            cfg, 1, 32, "none"
+        ), r.name
