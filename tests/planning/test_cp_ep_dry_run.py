@@ -114,3 +114,6 @@ def test_ep_activation_formula_refuses_exact_dispatch_and_dry_run_too():
         nd_cost_cp_ep.peak_activations(cfg_of(4), lay, 4, 4, {"pp": 0, "cp": 0})
     with pytest.raises(ValueError, match="exact dispatch sends the routed rows themselves"):
         dry_nd(cfg_of(4), lay, 4, 4)
+    both = Layout(dp=2, cp=2, ep=2, dispatch="padded")  # not composed: refused, not mispriced
+    with pytest.raises(ValueError, match="no closed form for the peak activations of cp x ep"):
+        nd_cost_cp_ep.peak_activations(cfg_of(4), both, 4, 8, {"pp": 0, "cp": 0})
