@@ -36,6 +36,11 @@ def _memory(a) -> str:
         for j, r in zip(out, rows):
             e = exact.price(p, r, seq, a.micro_batch)
             j["model"] = {"params": e.params, "state": e.state, "activ": e.activ}
+            d = exact.dry_figures(p, r, seq, a.micro_batch) if a.dry_run else None
+            if d is not None:  # the dry run's twin through parallel.train (= nd_cost when [])
+                j["dry_run"] = {"state": d.state, "activ": d.activ, "seconds": d.seconds,
+                                "representatives": d.ranks,
+                                "differences_from_nd_cost": d.differences}  # fmt: skip
         return json.dumps({"preset": vars(p), "gpus": a.gpus, "seq": seq, "rows": out})
     text = memory.format_table(p, rows, gpus=a.gpus, recompute=a.recompute, gpu_gib=a.gpu_mem,
                                suggested=a.suggest, notes=notes, **common)  # fmt: skip

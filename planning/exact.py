@@ -100,27 +100,74 @@ def price(preset, row, seq: int, b: int, **fsdp) -> Exact:
     )
 
 
-def dry_figures(preset, row, seq: int, b: int):
-    """(state or None, activations, seconds) measured by dry-running the row's layout: the worst
-    representative rank's peaks. State only where the driver ledgers it (dp-only layouts; the
-    tp / pp drivers' memory ledgers hold activations and dp gradient buckets only)."""
+@dataclasses.dataclass(frozen=True)
+class Dry:
+    state: int  # bytes per GPU: the worst representative's params + grads + optimizer peaks
+    activ: int  # its activations peak
+    seconds: float  # wall time of the dry run
+    differences: list  # where a representative's figures differ from nd_cost's (empty: equal)
+    ranks: int  # representatives run
+
+
+def nd_layout(row):
+    """The row's layout as parallel.train runs it: mixed precision, 1F1B with m = pp
+    micro-batches (the course's in-flight count), sequence parallelism whenever tp > 1 (the
+    course's 60.6 GiB row assumes it)."""
+    from parallel.layout import Layout
+
+    return Layout(dp=row.dp, tp=row.tp, pp=row.pp, zero=row.zero, microbatches=max(1, row.pp),
+                  sequence_parallel=row.tp > 1, recompute=row.recompute, dtype="mixed")  # fmt: skip
+
+
+def dry_figures(preset, row, seq: int, b: int, workers: int = 2):
+    """Dry-run the row's layout through parallel.train (planning/nd_dryrun.py, one rank per
+    pipeline stage) -> Dry, each representative checked against parallel/nd_cost.py's closed
+    forms (planning/nd_report.check_all); None when parallel.train cannot run the layout (its
+    reason: Layout.problems, e.g. full recompute with tp)."""
     import time
 
-    from planning.dryrun import Layout, dry_layout
+    from planning.nd_dryrun import dry_nd
+    from planning.nd_report import check_all
 
-    m = max(1, row.pp)
-    lay = Layout(dp=row.dp, tp=row.tp, pp=row.pp, zero=row.zero, microbatches=m,
-                 sp=row.tp > 1, recompute=row.recompute)  # fmt: skip
-    try:
-        lay.check()
-    except ValueError:
+    lay, cfg = nd_layout(row), preset.model_config(seq)
+    B = row.dp * b * lay.microbatches
+    if lay.problems(lay.world, cfg, (B, seq)):
         return None
     t0 = time.perf_counter()
-    runs = dry_layout(preset.model_config(seq), lay, row.dp * b * m, seq).values()
-    peaks = [v["figures"]["memory"]["peak"] for v in runs]
+    runs = dry_nd(cfg, lay, B, seq, workers=workers)
+    peaks = [v["figures"]["run_memory"]["peak"] for v in runs.values()]
     state = max(sum(pk[c] for c in ("params", "grads", "optimizer")) for pk in peaks)
     act = max(pk["activations"] for pk in peaks)
-    return (state if row.tp == row.pp == 1 else None), act, time.perf_counter() - t0
+    bad = [f"rank {r}: {d}" for r, ds in check_all(cfg, lay, B, seq, runs).items() for d in ds]
+    return Dry(state, act, time.perf_counter() - t0, bad, len(runs))
+
+
+ZERO_UNITS = {
+    2: "parallel.train's ZeRO-2 reduce-scatters one layer at a time, so its transient full "
+    "gradient is the largest layer's (the embedding or the head), not one 25 MiB bucket",
+    3: "parallel.train's ZeRO-3 gathers one layer at a time (the largest, resharded after "
+    "use), not the root unit (embeddings + head) and a block together",
+}
+
+
+def dry_notes(rows, ex, drys) -> list:
+    """One line per figure where the dry run (= nd_cost) differs from the 'model' column, with
+    the difference in bytes and its reason."""
+    out = []
+    for r, e, d in zip(rows, ex, drys):
+        if d is None:
+            continue
+        if d.activ != e.activ:
+            why = ("the embedding's token ids and, during a backward, one block's recomputed "
+                   "cache (the head's freed first)" if r.recompute == "full" else
+                   "the embedding's token ids (stage 0, per micro-batch in flight) and the head's "
+                   "cache (final LN, logits: the last stage) beside the blocks")  # fmt: skip
+            out.append(f"dry act - model = {d.activ - e.activ:+,} bytes ({r.name}): {why}")
+        if d.state != e.state:
+            why = ZERO_UNITS.get(r.zero, "the layout's buffers")
+            out.append(f"dry st - model = {d.state - e.state:+,} bytes ({r.name}): {why}")
+        out += [f"DIFFERENT from nd_cost ({r.name}): {x}" for x in d.differences]
+    return out
 
 
 def format_table(preset, rows, seq: int, b: int, gpu_gib: float, dry: bool = False) -> str:
@@ -131,7 +178,7 @@ def format_table(preset, rows, seq: int, b: int, gpu_gib: float, dry: bool = Fal
     drys = [dry_figures(preset, r, seq, b) if dry else None for r in rows]
     head = f"{'strategy':<32}{'state':>9}{'model':>9}{'activ':>9}{'model':>9}{'total':>9}  fits?"
     if dry:
-        head += f"{'dry st':>9}{'dry act':>9}{'secs':>6}"
+        head += f"{'dry st':>9}{'dry act':>9}  = nd_cost{'secs':>6}"
     lines = [
         (
             f"this model: the spec's GPT block at {preset.name}'s shape, {ex[0].params / 1e9:.2f}B "
@@ -148,16 +195,19 @@ def format_table(preset, rows, seq: int, b: int, gpu_gib: float, dry: bool = Fal
         if dry and d is None:
             line += f"{'n/a':>9}{'n/a':>9}"
         elif dry:
-            st = "-" if d[0] is None else f"{d[0] / GIB:.1f}"
-            line += f"{st:>9}{d[1] / GIB:9.1f}{d[2]:6.1f}"
+            same = "equal" if not d.differences else "DIFFERENT"
+            line += f"{d.state / GIB:9.1f}{d.activ / GIB:9.1f}  {same:<9}{d.seconds:6.1f}"
         lines.append(line.rstrip())
     lines.append("-" * len(head))
     lines.append(f"per block: {activation_bytes_per_block(cfg, b, seq) / GIB:.3f} GiB this model "
                  f"vs {seq * b * cfg.d_model * (34 + 5 * cfg.n_heads * seq / cfg.d_model) / GIB:.3f}"
                  " GiB Korthikanti (recompute none, tp 1)")  # fmt: skip
     if dry:
-        lines.append("dry st / dry act: the memory ledger's peaks from running the layout on "
-                     "shape-only arrays (worst representative rank); '-': that driver does not "
-                     "ledger its state")  # fmt: skip
+        lines.append("dry st / dry act: the memory ledger's peaks from running the layout through "
+                     "parallel.train on shape-only arrays (worst representative rank: one per "
+                     "pipeline stage); = nd_cost: every representative's bytes per axis and memory "
+                     "peaks equal parallel/nd_cost.py's closed forms; tp > 1 with SP, 1F1B with "
+                     "m = pp micro-batches")  # fmt: skip
+        lines += dry_notes(rows, ex, drys)
     lines += [f"why: {w}" for w in WHY]
     return "\n".join(lines)

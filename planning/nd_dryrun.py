@@ -18,8 +18,11 @@ every tp-sharded tensor into t equal parts, Layout refuses any other), the same 
 for the dp x tp ranks of its (stage, cp rank); `representatives` says which, and
 tests/planning/test_nd_dry_run.py checks the claim on every rank of real runs: equal memory and
 equal bytes per (tag, op, direction, group), except the position-dependent tags of
-planning.dryrun.role_figures (the clipping norm's one-element all-reduce, whose ring chunks fall
-unevenly by rank).
+role_figures (the clipping norm's one-element all-reduce, whose ring chunks fall unevenly by
+rank). With ep > 1 the ep ranks are dp ranks (dp = edp x ep) and (0, s, c, 0) stands for them
+too: under the dry run's routing assumption, padded to capacity, every ep rank holds E / ep
+experts of the same shapes and sends each peer El C rows per all-to-all; exact dispatch (sizes
+from the routing) is refused by name.
 """
 
 from __future__ import annotations
@@ -28,9 +31,33 @@ import dataclasses
 import resource
 import time
 
+import numpy as np
+
 import emulator
 from emulator.dry import dry_run
-from planning.dryrun import batch, role_figures  # noqa: F401 - role_figures is part of the API
+from emulator.shapes import ShapeArray
+
+
+def batch(cfg, B: int, S: int, dry: bool, seed: int = 1):
+    """One step's (tokens, targets): shape-only in a dry run, random ids otherwise."""
+    if dry:
+        t = ShapeArray.new((B, S), np.int64)
+        return [(t, t)]
+    rng = np.random.default_rng(seed)
+    return [tuple(rng.integers(0, cfg.vocab_size, (B, S)) for _ in range(2))]
+
+
+def role_figures(fig: dict) -> tuple:
+    """What ranks of one role share: bytes per (tag, op, direction, group) without the
+    position-dependent tags - the clipping norm's one-element all-reduce (dp/clip: its ring
+    chunks fall unevenly, 8 or 16 bytes by rank) and DDP's one-off initial broadcast
+    (*init_broadcast: a binomial tree, root, inner and leaf ranks move different bytes) - and the
+    memory snapshot."""
+    by: dict = {}
+    for (tag, op, _alg, direction, _peer, group), n in fig["bytes"].items():
+        if not (tag.startswith("dp/clip") or tag.endswith("init_broadcast")):
+            by[(tag, op, direction, group)] = by.get((tag, op, direction, group), 0) + n
+    return by, fig["memory"]
 
 
 def run_nd(comm, cfg, layout, B: int, S: int, dry: bool, steps: int = 1):
@@ -97,6 +124,12 @@ def dry_nd(cfg, layout, B: int, S: int, ranks=None, workers: int = 1) -> dict:
     ``workers`` > 1 runs the ranks in that many forked processes (they are independent: each
     DryComm is alone); each rank's Timing is measured in the process that ran it."""
     layout.validate(layout.world, cfg, (B, S))
+    if layout.ep > 1 and layout.dispatch != "padded":
+        raise ValueError(
+            f"dispatch={layout.dispatch!r}: exact dispatch sends the routed rows themselves (sizes "
+            "follow the routing), which a dry run cannot know; dry-run dispatch='padded' (every "
+            "expert filled to capacity)"
+        )
     reps = representatives(layout)
     if ranks is not None:
         reps = {r: reps.get(r, f"rank {r} (stands for itself)") for r in ranks}

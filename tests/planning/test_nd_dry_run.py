@@ -116,3 +116,12 @@ def test_context_parallel_layouts_of_parallel_train(lay):
     assert len(representatives(lay)) == lay.pp * lay.cp
     for r in range(lay.world):
         assert role_figures(real[r]) == role_figures(real[representative(lay, r)]), r
+
+
+def test_dry_comm_errors_are_named():
+    from emulator.dry import DryComm
+
+    with pytest.raises(ValueError, match="rank 4 is not in 0..3"):
+        DryComm(4, 4)
+    with pytest.raises(ValueError, match="shape= and dtype="):
+        DryComm(2, 0).recv(1)

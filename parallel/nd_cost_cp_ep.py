@@ -1,0 +1,198 @@
+"""The closed forms of parallel/nd_cost.py for runs with context or expert parallelism: peak
+activation bytes per rank (cp and ep), and an ep rank's bytes per axis and static memory.
+
+Context parallelism (C = cp): a cp rank holds S/C tokens of every sequence, so every unit of the
+schedule is parallel/nd_cost's unit at S/C tokens (the embedding's ids and the head's cache on
+the rank's own positions), each block's cache replaced by the cp block's (cp_block_bytes: the
+block at this rank's tp width on S/C tokens without its q, k, v, plus the method's attention
+cache as parallel/context/cost.cache_nbytes counts it - ring: q, k, v, o, the log-sum-exp and
+the kept score entries of this rank's steps; all-gather: q and the gathered K and V; ulysses:
+the head-sharded q, k, v and their probabilities), and the embedding holding the (C, S/C)
+positions table.
+Expert parallelism (P = ep), padded dispatch only (the stated assumption: every routing group
+sends each expert its capacity C, filled or not): each MoE block's cache is
+parallel/expert/cost.ep_block_activation_bytes with rows_in = E C rows received by the rank's
+E / P experts; under tp the experts are replicated over tp and run on all b S tokens. Exact
+dispatch's sizes follow the routing: refused by name.
+The peak over the schedule is parallel/pipeline/cost.peak_activation_bytes of these units, as
+nd_cost.rank_peak_activations does without cp and ep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from collectives import cost
+from emulator.config import param_shapes
+from emulator.flops import activation_bytes_per_block, moe_group_bytes
+from emulator.moe import capacity
+from emulator.precision import arith_dtype, compute_dtype
+from parallel.context import cost as cp_cost
+from parallel.data.axis import layer_of
+from parallel.expert import cost as ep_cost
+from parallel.nd_cost import rank_peak_activations, tp_unit_bytes
+from parallel.pipeline.cost import UnitBytes, boundary_bytes, peak_activation_bytes, unit_bytes
+from parallel.pipeline.executor import split_layers, stage_param_names
+from parallel.pipeline.schedules import make_schedule
+from parallel.tensor import cost as tp_cost
+from parallel.tensor.block import megatron_plan
+from parallel.tensor.shard import local_shape
+
+
+def peak_activations(cfg, layout, B: int, S: int, coords: dict) -> int:
+    """Peak activation bytes of the rank at ``coords`` (its "pp" and "cp" entries matter): cp
+    runs by cp_peak_activations, ep runs by ep_peak_activations, else rank_peak_activations."""
+    if layout.cp > 1 and layout.ep > 1:
+        raise ValueError(f"cp={layout.cp} with ep={layout.ep}: no closed form for the peak "
+                         f"activations of cp x ep yet (the cp block's MoE groups padded for "
+                         f"ep)")  # fmt: skip
+    if layout.cp > 1:
+        return cp_peak_activations(cfg, layout, B, S, coords["pp"], coords.get("cp", 0))
+    if layout.ep > 1:
+        return ep_peak_activations(cfg, layout, B, S, coords["pp"])
+    return rank_peak_activations(cfg, layout, B, S, coords["pp"])
+
+
+def cp_block_bytes(cfg, layout, b: int, S: int, c: int, recompute: str) -> int:
+    """One block's cache on cp rank c, C = cp: the block of this rank's tp width at S/C tokens
+    (tp = 1: parallel/context/cost.block_activation_bytes; tp > 1: tensor/cost.py's block at
+    S/C, selective) without its q, k, v (3 blk, blk = b S/C H/t x: held only through the
+    attention cache), plus the method's attention cache on the rank's H/t width and A/t heads
+    (context/cost.cache_nbytes; the ring's o is the wo input already counted: - blk), plus the
+    positions table (8 S). Full recompute keeps only the block input."""
+    C, t, method = layout.cp, layout.tp, layout.cp_method
+    if t == 1:
+        return cp_cost.block_activation_bytes(cfg, method, b, S, C, recompute=recompute,
+                                              balance=layout.cp_balance, rank=c)  # fmt: skip
+    xd = compute_dtype(cfg.dtype)
+    x, y, S_l = xd.itemsize, arith_dtype(xd).itemsize, S // C
+    H, A = cfg.d_model // t, cfg.n_heads // t
+    blk = b * S_l * H * x
+    base = tp_cost.block_activation_bytes(cfg, b, S_l, t, sp=layout.sequence_parallel,
+                                          regather=layout.regather,
+                                          recompute="selective")  # fmt: skip
+    attn = cp_cost.cache_nbytes(method, b, S, H, A, C, x, keep_probs=recompute == "none",
+                                balance=layout.cp_balance, rank=c, acc_itemsize=y)  # fmt: skip
+    return base - 3 * blk + attn - (blk if method == "ring" else 0) + 8 * S
+
+
+def cp_peak_activations(cfg, layout, B: int, S: int, s: int, c: int) -> int:
+    """rank_peak_activations of stage s on cp rank c: every unit as without cp at S/C tokens
+    (the embedding's ids and the head's cache on the rank's own positions), each block's cache
+    replaced by cp_block_bytes, and the embedding's cache holding the (C, S/C) positions table
+    (8 S: its positions are a row view, and the ledger charges a view's owner); full
+    recompute's one recomputed block (the backward's rise) is cp_block_bytes with recompute
+    "none"."""
+    b = B // (layout.dp * layout.microbatches)
+    block = cp_block_bytes(cfg, layout, b, S, c, layout.recompute)
+    rise = cp_block_bytes(cfg, layout, b, S, c, "none") if layout.recompute == "full" else 0
+    flat = dataclasses.replace(layout, cp=1)
+    return _peak_with_blocks(cfg, flat, b, S // layout.cp, s, block, rise, first=8 * S)
+
+
+def _peak_with_blocks(cfg, flat, b: int, S_l: int, s: int, block: int, rise: int, first=0):
+    """Peak activation bytes of stage s of ``flat`` (the layout without the axis) on S_l tokens
+    per sequence, as rank_peak_activations' units (tp = 1: pipeline/cost.unit_bytes; tp > 1:
+    tp_unit_bytes) with every block's cache ``block`` instead of the plain block's, full
+    recompute's rise ``rise``, and ``first`` more bytes on the embedding's unit (u = 0)."""
+    sched = make_schedule(flat.schedule, flat.pp, flat.microbatches, flat.chunks)
+    split = split_layers(cfg.n_layers, flat.pp * flat.chunks)
+    if flat.tp > 1:
+        base = tp_unit_bytes(cfg, flat, sched, split, b, S_l)
+        plain = tp_cost.block_activation_bytes(cfg, b, S_l, flat.tp, sp=flat.sequence_parallel,
+                                               regather=flat.regather,
+                                               recompute=flat.recompute)  # fmt: skip
+    else:
+        base = unit_bytes(cfg, sched, split, b, S_l, flat.recompute)
+        plain = activation_bytes_per_block(cfg, b, S_l, flat.recompute)
+
+    def unit(st: int, ch: int) -> UnitBytes:
+        u = sched.virtual(st, ch)
+        x, k = base(st, ch), len(split[u])
+        return UnitBytes(x.cache + k * (block - plain) + first * (u == 0), x.head, x.stash, rise)
+
+    return peak_activation_bytes(sched, unit)[s]
+
+
+def ep_block_bytes(cfg, layout, b: int, S: int, recompute: str) -> int:
+    """One MoE block's cache on an ep rank, padded dispatch: every routing group (one per
+    micro-batch, N = b S tokens) sends each expert its capacity C, so the rank's El experts take
+    rows_in = P El C = E C rows (parallel/expert/cost.ep_block_activation_bytes). tp > 1: the
+    tensor-parallel block (tensor/cost.py) with its tp-sharded experts' groups (F/t) replaced by
+    the ep experts', which are replicated over tp and run on all N tokens."""
+    if layout.dispatch != "padded":
+        raise ValueError(f"dispatch={layout.dispatch!r}: the experts' rows follow the routing "
+                         f"(all-to-all-v of the kept copies); a closed form needs dispatch="
+                         f"'padded' (every expert filled to capacity)")  # fmt: skip
+    N, t = b * S, layout.tp
+    rows_in = cfg.n_experts * capacity(N, cfg.moe_top_k, cfg.n_experts, cfg.capacity_factor)
+    if t == 1:
+        return ep_cost.ep_block_activation_bytes(cfg, b, S, rows_in, recompute)
+    whole = tp_cost.block_activation_bytes(cfg, b, S, t, sp=layout.sequence_parallel,
+                                           regather=layout.regather,
+                                           recompute=recompute)  # fmt: skip
+    tp_cfg = dataclasses.replace(cfg, d_ff=cfg.d_ff // t)
+    return whole - moe_group_bytes(tp_cfg, N) + ep_cost.ep_moe_activation_bytes(cfg, [N], rows_in)
+
+
+def ep_peak_activations(cfg, layout, B: int, S: int, s: int) -> int:
+    """rank_peak_activations of stage s with ep > 1: every unit as without ep, each MoE block's
+    cache replaced by ep_block_bytes (full recompute's rise likewise, recompute "none")."""
+    b = B // (layout.dp * layout.microbatches)
+    block = ep_block_bytes(cfg, layout, b, S, layout.recompute)
+    rise = ep_block_bytes(cfg, layout, b, S, "none") if layout.recompute == "full" else 0
+    return _peak_with_blocks(cfg, dataclasses.replace(layout, ep=1), b, S, s, block, rise)
+
+
+def ep_local_shapes(cfg, layout, s: int) -> dict:
+    """{name: shape} a rank of stage s holds with ep > 1: its TP shard with the experts
+    replicated over tp (parallel/expert/nd.expert_plan) and cut to E / ep on axis 0."""
+    from parallel.expert.nd import expert_plan
+    from parallel.expert.sync import is_expert
+
+    split = split_layers(cfg.n_layers, layout.pp * layout.chunks)
+    shapes, plan = param_shapes(cfg), expert_plan(megatron_plan(cfg))
+    out = {}
+    for n in stage_param_names(cfg, split, s, layout.pp):
+        shape = local_shape(shapes[n], plan[n], layout.tp, n)
+        out[n] = (shape[0] // layout.ep, *shape[1:]) if is_expert(n) else shape
+    return out
+
+
+def ep_rank_bytes(cfg, layout, B: int, S: int, coords: dict) -> dict:
+    """{"dp", "edp", "ep", "tp", "pp", "clip"} bytes sent per step by the rank at ``coords``
+    (its "ep" coordinate e = dp mod ep) with ep = P > 1 and padded dispatch: ep per MoE block and
+    micro-batch parallel/expert/cost.padded_bytes' four all-to-alls of (P-1)/P E C H w (C the
+    micro-batch's capacity; full recompute sends the two forward ones again); dp and edp
+    parallel/expert/nd.dp_bytes on the replicated and on the expert tensors; tp nd.tp_bytes;
+    pp as rank_bytes; clip one float64 ring all-reduce over ep, tp and pp."""
+    from parallel.expert.nd import dp_bytes, tp_bytes  # it imports nd_cost: here, not at the top
+    from parallel.expert.sync import is_expert
+
+    P, t, m, s = layout.ep, layout.tp, layout.microbatches, coords["pp"]
+    b, w = B // (layout.dp * m), compute_dtype(cfg.dtype).itemsize
+    shapes = ep_local_shapes(cfg, layout, s)
+    C = capacity(b * S, cfg.moe_top_k, cfg.n_experts, cfg.capacity_factor)
+    each = ep_cost.padded_bytes(cfg.n_experts, P, C, cfg.d_model, w)["fwd/dispatch"][0]
+    blocks = {layer_of(n) for n in shapes if n.startswith("blocks.")}
+    per = each * (2 * (1 + (layout.recompute == "full")) + 2)
+    sched = make_schedule(layout.schedule, layout.pp, m, layout.chunks)
+    S_l = S // t if layout.sequence_parallel else S
+    norm = ((P, coords["ep"]), (t, coords["tp"]), (layout.pp, s))  # the norm's groups, in order
+    clip = sum(cost.ring_all_reduce(1, n, 8, r)[0] for n, r in norm if n > 1)
+    return {
+        "dp": dp_bytes(cfg, layout, {n: x for n, x in shapes.items() if not is_expert(n)}),
+        "edp": dp_bytes(cfg, layout, {n: x for n, x in shapes.items() if is_expert(n)}),
+        "ep": len(blocks) * m * per,
+        "tp": tp_bytes(cfg, layout, B, S, coords),
+        "pp": boundary_bytes(sched, b * S_l * cfg.d_model * w)[s],
+        "clip": clip,
+    }
+
+
+def ep_rank_memory(cfg, layout, s: int) -> dict:
+    """Static = peak bytes of params, grads and optimizer of a stage-s rank with ep > 1:
+    parallel/expert/nd.static_memory on ep_local_shapes (DDP over dp and over edp)."""
+    from parallel.expert.nd import static_memory
+
+    return static_memory(cfg, layout, ep_local_shapes(cfg, layout, s))
