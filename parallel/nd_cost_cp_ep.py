@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from collectives import cost
-from emulator.config import param_shapes
 from emulator.flops import activation_bytes_per_block, moe_group_bytes
 from emulator.moe import capacity
 from emulator.precision import arith_dtype, compute_dtype
@@ -32,11 +30,9 @@ from parallel.data.axis import layer_of
 from parallel.expert import cost as ep_cost
 from parallel.nd_cost import rank_peak_activations, tp_unit_bytes
 from parallel.pipeline.cost import UnitBytes, boundary_bytes, peak_activation_bytes, unit_bytes
-from parallel.pipeline.executor import split_layers, stage_param_names
+from parallel.pipeline.executor import split_layers
 from parallel.pipeline.schedules import make_schedule
 from parallel.tensor import cost as tp_cost
-from parallel.tensor.block import megatron_plan
-from parallel.tensor.shard import local_shape
 
 
 def peak_activations(cfg, layout, B: int, S: int, coords: dict) -> int:
@@ -145,18 +141,11 @@ def ep_peak_activations(cfg, layout, B: int, S: int, s: int) -> int:
 
 
 def ep_local_shapes(cfg, layout, s: int) -> dict:
-    """{name: shape} a rank of stage s holds with ep > 1: its TP shard with the experts
-    replicated over tp (parallel/expert/nd.expert_plan) and cut to E / ep on axis 0."""
-    from parallel.expert.nd import expert_plan
-    from parallel.expert.sync import is_expert
+    """{name: shape} a rank of stage s holds with ep > 1: parallel/expert/nd.local_shapes (its
+    TP shard with the experts replicated over tp and cut to E / ep on axis 0)."""
+    from parallel.expert.nd import local_shapes
 
-    split = split_layers(cfg.n_layers, layout.pp * layout.chunks)
-    shapes, plan = param_shapes(cfg), expert_plan(megatron_plan(cfg))
-    out = {}
-    for n in stage_param_names(cfg, split, s, layout.pp):
-        shape = local_shape(shapes[n], plan[n], layout.tp, n)
-        out[n] = (shape[0] // layout.ep, *shape[1:]) if is_expert(n) else shape
-    return out
+    return local_shapes(cfg, layout, s)
 
 
 def ep_rank_bytes(cfg, layout, B: int, S: int, coords: dict) -> dict:
@@ -164,10 +153,9 @@ def ep_rank_bytes(cfg, layout, B: int, S: int, coords: dict) -> dict:
     (its "ep" coordinate e = dp mod ep) with ep = P > 1 and padded dispatch: ep per MoE block and
     micro-batch parallel/expert/cost.padded_bytes' four all-to-alls of (P-1)/P E C H w (C the
     micro-batch's capacity; full recompute sends the two forward ones again); dp and edp
-    parallel/expert/nd.dp_bytes on the replicated and on the expert tensors; tp nd.tp_bytes;
-    pp as rank_bytes; clip one float64 ring all-reduce over ep, tp and pp."""
-    from parallel.expert.nd import dp_bytes, tp_bytes  # it imports nd_cost: here, not at the top
-    from parallel.expert.sync import is_expert
+    parallel/expert/nd.data_bytes (DDP or ZeRO on the replicated and on the expert tensors); tp
+    nd.tp_bytes; pp as rank_bytes; clip nd.clip_bytes (DDP: over ep; ZeRO: dp x cp; tp, pp)."""
+    from parallel.expert.nd import clip_bytes, data_bytes, tp_bytes  # they import nd_cost
 
     P, t, m, s = layout.ep, layout.tp, layout.microbatches, coords["pp"]
     b, w = B // (layout.dp * m), compute_dtype(cfg.dtype).itemsize
@@ -178,15 +166,11 @@ def ep_rank_bytes(cfg, layout, B: int, S: int, coords: dict) -> dict:
     per = each * (2 * (1 + (layout.recompute == "full")) + 2)
     sched = make_schedule(layout.schedule, layout.pp, m, layout.chunks)
     S_l = S // t if layout.sequence_parallel else S
-    norm = ((P, coords["ep"]), (t, coords["tp"]), (layout.pp, s))  # the norm's groups, in order
-    clip = sum(cost.ring_all_reduce(1, n, 8, r)[0] for n, r in norm if n > 1)
-    return {
-        "dp": dp_bytes(cfg, layout, {n: x for n, x in shapes.items() if not is_expert(n)}),
-        "edp": dp_bytes(cfg, layout, {n: x for n, x in shapes.items() if is_expert(n)}),
+    return data_bytes(cfg, layout, shapes) | {
         "ep": len(blocks) * m * per,
         "tp": tp_bytes(cfg, layout, B, S, coords),
         "pp": boundary_bytes(sched, b * S_l * cfg.d_model * w)[s],
-        "clip": clip,
+        "clip": clip_bytes(layout, coords),
     }
 
 

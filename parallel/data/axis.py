@@ -250,7 +250,8 @@ class DataAxis(Accumulate):
             where = part.label or "dp"
             for i, what in enumerate(("param", "grad")):
                 for n, x in every[0][i].items():
-                    diff = [r for r, e in enumerate(every) if not np.array_equal(x, e[i][n])]
+                    diff = [r for r, e in enumerate(every)
+                            if e[i][n] is not x and not np.array_equal(x, e[i][n])]  # fmt: skip
                     bad += [f"{what} {n} over {where} (group ranks {diff} differ from 0)"] * bool(
                         diff
                     )
