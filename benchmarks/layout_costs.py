@@ -1,11 +1,14 @@
 """Where a layout step's time goes: cProfile categories per rank, and the byte ledger's recording
 and the collective call check as a share of the step (`python -m emulator bench layouts --costs`).
 
-Profile: every rank thread runs under its own cProfile.Profile (cProfile sees one thread); the
-ranks' stats are merged and each function's own time (tottime) is put in one category by its
-file. NumPy's operators run inside the Python function that uses them, so "model NumPy" is the
-model's arithmetic; "waiting" is time blocked on a lock or Condition (a rank waiting for a
-message or for the GIL-holding rank to send it).
+Profile: every rank thread runs under its own cProfile.Profile timed by that thread's CPU clock
+(time.thread_time), and the reference step under one profile timed the same way; each
+function's own time (tottime) goes to one category by its file. CPU, not wall: a wall-clock
+profile of threads under one GIL charges a rank's wait for the interpreter to whatever function
+it is in (an earlier version of this table read "waiting 15-83%" that way), while the CPU clock
+charges each thread only what it ran. Cells read "layout / reference" CPU ms (the layout's
+summed over its ranks); the thread-CPU clock makes every profiled call cost a little more on
+both sides alike. "waiting" is the CPU of lock and Condition calls themselves.
 
 Ledger / check share: three variants of the same step, interleaved per round - as shipped;
 spawn(check=False) (no cross-rank call check); and check=False with Comm._record replaced by a
@@ -22,11 +25,14 @@ import collections
 import cProfile
 import pstats
 import threading
+import time
 from unittest import mock
 
 import emulator
+from emulator import blas
 from emulator.comm import Comm
 from emulator.ledger import format_table
+from emulator.reference import reference_train
 
 from .layouts import batches_for, config, load, spread, timed
 
@@ -34,12 +40,15 @@ CATEGORIES = [  # (name, predicate on (file, function)); the first that matches 
     ("waiting (lock / Condition)", lambda f, n: "acquire" in n or f.endswith("threading.py")),
     ("ledger recording", lambda f, n: n == "_record" or (f.endswith("ledger.py") and n == "add")),
     ("ledger queries", lambda f, n: f.endswith("ledger.py")),
-    ("call check", lambda f, n: n in ("_check", "signature", "describe", "check_call")
-     or f.endswith("emulator/rank.py")),
+    ("call check", lambda f, n: n in ("_check", "signature", "describe", "check_call",
+                                      "mismatch_message")),
     ("message path (emulator/, collectives/)", lambda f, n: "/collectives/" in f
-     or f.endswith(("emulator/local.py", "emulator/comm.py", "emulator/mesh.py"))),
-    ("model NumPy (ops, block, model, optim)", lambda f, n: f.endswith((
-        "ops.py", "block.py", "model.py", "optim.py", "precision.py", "moe.py", "attention.py"))
+     or f.endswith(("emulator/local.py", "emulator/comm.py", "emulator/mesh.py",
+                    "emulator/mailbox.py", "emulator/watchdog.py"))),
+    ("optimizer + clip (optim.py, clip.py)", lambda f, n: f.endswith(("optim.py", "clip.py"))),
+    ("parameter init (config.py)", lambda f, n: f.endswith("emulator/config.py")),
+    ("model NumPy (ops, block, model)", lambda f, n: f.endswith((
+        "ops.py", "block.py", "model.py", "precision.py", "moe.py", "attention.py"))
      or "numpy" in f or n.startswith(("<method", "<built-in method numpy", "{method"))),
     ("layout Python (parallel/)", lambda f, n: "/parallel/" in f),
 ]  # fmt: skip
@@ -49,14 +58,26 @@ def category(file: str, name: str) -> str:
     return next((c for c, pred in CATEGORIES if pred(file, name)), "other Python")
 
 
+def _categorised(stats) -> dict:
+    out = collections.Counter()
+    for (file, _line, name), (_cc, _nc, tt, _ct, callers) in stats.stats.items():
+        if file == "<string>" and name == "__init__":  # dataclass inits: Record's is recording
+            rec = sum(v[2] for k, v in callers.items() if k[2] == "_record")
+            out["ledger recording"] += rec
+            tt -= rec
+        out[category(file, name)] += tt
+    return dict(out)
+
+
 def profile(case, size: str) -> tuple[dict, int]:
-    """Own time per category summed over the ranks, and ledger records per rank, one step."""
+    """Own CPU seconds per category summed over the ranks, and ledger records per rank, one
+    step (after a warm-up step)."""
     cfg = config(size, case.moe)
     batches = batches_for(cfg)
     profs, lock = [], threading.Lock()
 
     def rank(comm):
-        pr = cProfile.Profile()
+        pr = cProfile.Profile(time.thread_time)
         pr.enable()
         try:
             case.run(comm, cfg, batches)
@@ -71,14 +92,20 @@ def profile(case, size: str) -> tuple[dict, int]:
     stats = pstats.Stats(profs[0])
     for pr in profs[1:]:
         stats.add(pr)
-    out = collections.Counter()
-    for (file, _line, name), (_cc, _nc, tt, _ct, callers) in stats.stats.items():
-        if file == "<string>" and name == "__init__":  # dataclass inits: Record's is recording
-            rec = sum(v[2] for k, v in callers.items() if k[2] == "_record")
-            out["ledger recording"] += rec
-            tt -= rec
-        out[category(file, name)] += tt
-    return dict(out), max(records)
+    return _categorised(stats), max(records)
+
+
+def reference_profile(case, size: str) -> dict:
+    """The same categories for the reference step on the same global batch (one thread)."""
+    cfg = config(size, case.moe)
+    batches = batches_for(cfg)
+    with blas.limit(blas.per_rank(case.ranks)):
+        reference_train(cfg, 0, batches, 1, microbatches=case.ref_microbatches)  # warm-up
+        pr = cProfile.Profile(time.thread_time)
+        pr.enable()
+        reference_train(cfg, 0, batches, 1, microbatches=case.ref_microbatches)
+        pr.disable()
+    return _categorised(pstats.Stats(pr))
 
 
 def variants(case, size: str):
@@ -104,10 +131,13 @@ def costs(sizes, chosen, rounds: int) -> None:
         print(f"\n== size {size}; load average before {load()}")
         for case in chosen:
             cats, n_rec = profile(case, size)
-            total = sum(cats.values())
-            prof_rows.append([case.label, n_rec] + [
-                f"{100 * cats.get(c, 0.0) / total:.0f}%" for c, _ in CATEGORIES
-            ] + [f"{100 * cats.get('other Python', 0.0) / total:.0f}%"])  # fmt: skip
+            ref = reference_profile(case, size)
+            total, ref_total = sum(cats.values()), sum(ref.values())
+            names = [c for c, _ in CATEGORIES] + ["other Python"]
+            prof_rows.append([case.label, n_rec, f"{1e3 * total:.0f} / {1e3 * ref_total:.0f}",
+                              f"{total / ref_total:.2f}"] + [
+                f"{1e3 * cats.get(c, 0.0):.1f} / {1e3 * ref.get(c, 0.0):.1f}" for c in names
+            ])  # fmt: skip
             real, no_check, neither = variants(case, size)
             real(), no_check(), neither()  # warm-up
             t = {"real": [], "check": [], "both": [], "v1": [], "v2": []}
@@ -126,9 +156,10 @@ def costs(sizes, chosen, rounds: int) -> None:
                                f"{best:+.1%}",
                                f"{led:.1%} + {chk:.1%}",
                                "yes" if led + chk < 0.05 else "no"])  # fmt: skip
-        print("cProfile own time by category, summed over the ranks (one step, after a warm-up)")
-        print(format_table(["layout", "records / rank"] + [c for c, _ in CATEGORIES]
-                           + ["other Python"], prof_rows))  # fmt: skip
+        print("cProfile own CPU ms by category, layout (summed over the ranks) / reference, one "
+              "step after a warm-up")  # fmt: skip
+        print(format_table(["layout", "records / rank", "CPU ms", "CPU ratio"]
+                           + [c for c, _ in CATEGORIES] + ["other Python"], prof_rows))  # fmt: skip
         print(f"\nledger + call check share of the step, {rounds} interleaved rounds")
         print(format_table(["layout", "step ms min/med/max", "call check share min/med/max",
                             "ledger + check share min/med/max", "1 - min/min",

@@ -29,6 +29,7 @@ import numpy as np
 
 from . import blas, watchdog
 from .comm import (
+    _SENDABLE,
     Call,
     CollectiveMismatch,
     Comm,
@@ -37,6 +38,7 @@ from .comm import (
     RankState,
     UnreceivedMessage,
     _bind_state,
+    _expected,
     mismatch_message,
 )
 from .ledger import Ledger
@@ -52,7 +54,8 @@ class VirtualWorld:
         self.check = check
         self.states = [RankState(rank=r, ledger=Ledger(r)) for r in range(world_size)]
         self.boxes = [Mailbox(self, r) for r in range(world_size)]
-        self.names: dict = {("world",): "world"}  # group key -> group name (for reports)
+        self.gids: dict = {("world",): 0}  # group key -> small int id (the mailboxes' keys)
+        self.names: dict = {0: "world"}  # group id -> group name (for reports)
         self.lock = threading.Lock()
         self.calls: dict = {}  # (group key, seq) -> [first global rank, its Call, arrivals]
         self.objects: dict = {}  # control plane: (key, n) -> {group rank: obj}
@@ -94,6 +97,15 @@ class VirtualWorld:
             raise self.failure
         self.raise_if_failed()
 
+    def gid(self, key, name: str) -> int:
+        """The small int id of group `key` (one per key, whichever member asks first)."""
+        with self.lock:
+            g = self.gids.get(key)
+            if g is None:
+                g = self.gids[key] = len(self.gids)
+                self.names[g] = name
+            return g
+
     def raise_if_failed(self) -> None:
         exc = self.failure
         if exc is not None:
@@ -114,6 +126,59 @@ class VirtualWorld:
 
 
 class VirtualComm(Comm):
+    def __init__(self, world, state, ranks: tuple, name: str, key):
+        super().__init__(world, state, ranks, name, key)
+        self.gid = world.gid(key, name)
+
+    # -- the message path: Comm.send / Comm.recv with the backend hooks inlined --------------
+    # Same checks, same copies, same records, same errors: the uncommon cases (another array
+    # type or dtype, a peer given as np.integer or out of range) take Comm's own path. Saves
+    # four Python calls per message (bench messages).
+    def send(self, array, dst: int) -> None:
+        if (
+            type(array) is not np.ndarray
+            or array.dtype not in _SENDABLE
+            or type(dst) is not int
+            or not 0 <= dst < self.world_size
+            or dst == self.rank
+        ):
+            return Comm.send(self, array, dst)
+        w = self.world
+        if w.failure is not None:
+            w.raise_if_failed()
+        call = self.state.current
+        w.boxes[self.ranks[dst]].put(self, -1 if call is None else call.seq, array.copy())
+        self._record("send", dst, array.nbytes)
+
+    def recv(self, src: int, out=None, shape=None, dtype=None):
+        if type(src) is not int or not 0 <= src < self.world_size or src == self.rank:
+            self._peer(src, "receive from")
+        out, shape, dtype = _expected(out, shape, dtype)
+        w = self.world
+        if w.failure is not None:
+            w.raise_if_failed()
+        call = self.state.current
+        s = self.ranks[src]
+        msg = w.boxes[self.state.rank].get(self, -1 if call is None else call.seq, s)
+        if msg.shape != shape or msg.dtype != dtype:  # shape: a tuple (comm._expected)
+            self._mismatch(s, shape, dtype, msg)
+        if out is not None:
+            out[...] = msg
+            msg = out
+        self._record("recv", src, msg.nbytes)
+        return msg
+
+    def _mismatch(self, s: int, shape, dtype, msg) -> None:
+        me = self.state.rank
+        self.world.fail(
+            me,
+            lambda: CommError(
+                f"rank {me} expected {dtype}{list(shape)} from rank {s} in group "
+                f"{self.name!r} but received {msg.dtype}{list(msg.shape)}; sender and "
+                f"receiver disagree about the message (check both sides' sizes)"
+            ),
+        )
+
     def _post(self, array: np.ndarray, dst: int, channel: int) -> None:
         w = self.world
         if w.failure is not None:
@@ -129,14 +194,7 @@ class VirtualComm(Comm):
         me, s = self.state.rank, self.ranks[src]
         msg = w.boxes[me].get(self, channel, s)
         if msg.shape != shape or msg.dtype != dtype:  # shape: a tuple (comm._expected)
-            w.fail(
-                me,
-                lambda: CommError(
-                    f"rank {me} expected {dtype}{list(shape)} from rank {s} in group "
-                    f"{self.name!r} but received {msg.dtype}{list(msg.shape)}; sender and "
-                    f"receiver disagree about the message (check both sides' sizes)"
-                ),
-            )
+            self._mismatch(s, shape, dtype, msg)
         if out is None:
             return msg
         out[...] = msg
@@ -144,13 +202,13 @@ class VirtualComm(Comm):
 
     def _end_call(self, call: Call) -> None:
         w, me = self.world, self.state.rank
-        left = w.boxes[me].close(self.key, call.seq)
+        left = w.boxes[me].close(self.gid, call.seq)
         if left:
             w.fail(
                 me,
                 lambda: UnreceivedMessage(
                     f"rank {me} finished {call.describe()} with message(s) of that collective "
-                    f"never received:\n{leftover_report(w, me, (self.key, call.seq), left)}\n"
+                    f"never received:\n{leftover_report(w, me, (self.gid, call.seq), left)}\n"
                     f"(the collective's sends and receives do not pair up)"
                 ),
             )
@@ -179,7 +237,6 @@ class VirtualComm(Comm):
             raise exc
 
     def _make_group(self, glob: tuple, name: str, key) -> Comm:
-        self.world.names.setdefault(key, name)
         return VirtualComm(self.world, self.state, glob, name, key)
 
     def allgather_object(self, obj) -> list:

@@ -1,12 +1,15 @@
 """One virtual rank's incoming messages: a lock, a condition, and FIFO queues per channel.
 
-    box[(group key, channel)][sender global rank] -> deque of arrays (oldest first)
+    box[(group id, channel, sender global rank)] -> deque of arrays (oldest first)
 
-The channel is -1 for user point-to-point traffic and the collective's sequence number in its
-group otherwise (`Comm._channel`), so a receive only ever matches messages of its own channel.
-Empty queues and channels are deleted at once: the box holds only messages in flight, so a
-leftover is exactly a non-empty entry. `closed[group key]` counts the collectives this rank has
-finished in the group: a message sent into a closed channel would never be received.
+The group id is a small int the world gives each group key (`VirtualWorld.gid`: hashing the
+nested key tuple on every message cost more than the rest of the lookup). The channel is -1 for
+user point-to-point traffic and the collective's sequence number in its group otherwise
+(`Comm._channel`), so a receive only ever matches messages of its own channel. Empty queues are
+deleted at once: the box holds only messages in flight, so a leftover is exactly an entry, and
+the end of a collective (`close`) finds an empty box in O(1). `closed[group id]` counts the
+collectives this rank has finished in the group: a message sent into a closed channel would
+never be received.
 
 Only the owning rank waits on the condition, so `notify()` wakes exactly the one waiter, and
 a sender notifies only while the owner sleeps (`sleeping`, read and written under the lock).
@@ -42,18 +45,14 @@ class Mailbox:
     # -- the message path ---------------------------------------------------------------------
     def put(self, comm, channel: int, msg) -> None:
         """Append `msg` from `comm`'s rank on (comm's group, channel)."""
-        key, src = comm.key, comm.state.rank
+        gid, src = comm.gid, comm.state.rank
         with self.lock:
-            if channel < 0 or self.closed.get(key, 0) <= channel:
-                sub = self.box.get((key, channel))
-                if sub is None:
-                    self.box[(key, channel)] = {src: deque((msg,))}
+            if channel < 0 or self.closed.get(gid, 0) <= channel:
+                q = self.box.get((gid, channel, src))
+                if q is None:
+                    self.box[(gid, channel, src)] = deque((msg,))
                 else:
-                    q = sub.get(src)
-                    if q is None:
-                        sub[src] = deque((msg,))
-                    else:
-                        q.append(msg)
+                    q.append(msg)
                 if self.sleeping:
                     self.cond.notify()
                 return
@@ -70,11 +69,15 @@ class Mailbox:
 
     def get(self, comm, channel: int, src: int):
         """The oldest message from global rank `src` on (comm's group, channel); waits for it."""
-        kc = (comm.key, channel)
+        k = (comm.gid, channel, src)
         with self.lock:
-            msg = self._pop(kc, src)
-            if msg is None:
-                msg = self._await(kc, src)
+            q = self.box.get(k)  # `_pop`, inlined: the common case, a message waiting
+            if q is not None:
+                msg = q.popleft()
+                if not q:
+                    del self.box[k]
+                return msg
+            msg = self._await(k)
         if msg is not None:
             return msg
         w = self.world
@@ -88,22 +91,17 @@ class Mailbox:
             ),
         )
 
-    def _pop(self, kc, src):
-        sub = self.box.get(kc)
-        if sub is None:
-            return None
-        q = sub.get(src)
+    def _pop(self, k):
+        q = self.box.get(k)
         if q is None:
             return None
         msg = q.popleft()
         if not q:
-            del sub[src]
-            if not sub:
-                del self.box[kc]
+            del self.box[k]
         return msg
 
     # -- waiting ------------------------------------------------------------------------------
-    def _await(self, kc, src):
+    def _await(self, k):
         """`_wait` for one message, inlined (the receive path): the message, or None."""
         w = self.world
         st = w.states[self.rank]
@@ -120,7 +118,7 @@ class Mailbox:
                 self.cond.wait(min(left, MAX_SLEEP))
                 self.sleeping = False
                 if w.failure is None:
-                    msg = self._pop(kc, src)
+                    msg = self._pop(k)
                     if msg is not None:
                         return msg
             return None
@@ -168,16 +166,23 @@ class Mailbox:
         )
 
     # -- ends of collectives and runs -----------------------------------------------------------
-    def close(self, key, seq: int):
-        """This rank finished collective `seq` of group `key`: close its channel and return
+    def close(self, gid: int, seq: int):
+        """This rank finished collective `seq` of group `gid`: close its channel and return
         whatever is still queued on it ({sender: deque}, or None)."""
         with self.lock:
-            self.closed[key] = seq + 1
-            return self.box.pop((key, seq), None)
+            self.closed[gid] = seq + 1
+            if not self.box:  # the common case: nothing in flight to this rank at all
+                return None
+            keys = [k for k in self.box if k[0] == gid and k[1] == seq]
+            return {k[2]: self.box.pop(k) for k in keys} or None
 
     def pending(self) -> list:
+        """What is still queued, as [((group id, channel), {sender: deque})]."""
         with self.lock:
-            return list(self.box.items())
+            out: dict = {}
+            for (gid, channel, src), q in self.box.items():
+                out.setdefault((gid, channel), {})[src] = q
+            return list(out.items())
 
 
 def _extend(world, deadline: float) -> tuple:
@@ -198,8 +203,8 @@ def _extend(world, deadline: float) -> tuple:
 
 def leftover_report(world, receiver: int, kc, sub) -> str:
     """One line per unreceived message: sender, receiver, group, channel, bytes, dtype, shape."""
-    key, channel = kc
-    name = world.names.get(key, repr(key))
+    gid, channel = kc
+    name = world.names.get(gid, f"group #{gid}")
     lines = []
     for src, q in sub.items():
         what = "point-to-point" if channel < 0 else _collective(world.states[src], name, channel)

@@ -18,8 +18,11 @@ def test_one_round_prints_the_row_with_its_ratio(capsys):
 def test_costs_categories_cover_the_profile():
     case = next(c for c in layouts.cases() if c.label == "DDP")
     cats, records = layout_costs.profile(case, "small")
-    assert records > 0 and cats["model NumPy (ops, block, model, optim)"] > 0
+    assert records > 0 and cats["model NumPy (ops, block, model)"] > 0
     assert set(cats) <= {c for c, _ in layout_costs.CATEGORIES} | {"other Python"}
+    ref = layout_costs.reference_profile(case, "small")  # same categories, no messages
+    assert ref["model NumPy (ops, block, model)"] > 0
+    assert ref.get("message path (emulator/, collectives/)", 0.0) == 0.0
 
 
 def test_bench_model_against_a_missing_file_is_one_line_exit_2(capsys):
