@@ -1,5 +1,6 @@
 """The closed forms of parallel/nd_cost.py for runs with context or expert parallelism: peak
-activation bytes per rank (cp and ep), and an ep rank's bytes per axis and static memory.
+activation bytes per rank (cp, ep and cp x ep), and an ep rank's bytes per axis and its peak
+params / grads / optimizer state (DDP or ZeRO-1/2/3 on both parts: parallel/expert/nd.py).
 
 Context parallelism (C = cp): a cp rank holds S/C tokens of every sequence, so every unit of the
 schedule is parallel/nd_cost's unit at S/C tokens (the embedding's ids and the head's cache on
@@ -11,9 +12,11 @@ the head-sharded q, k, v and their probabilities), and the embedding holding the
 positions table.
 Expert parallelism (P = ep), padded dispatch only (the stated assumption: every routing group
 sends each expert its capacity C, filled or not): each MoE block's cache is
-parallel/expert/cost.ep_block_activation_bytes with rows_in = E C rows received by the rank's
-E / P experts; under tp the experts are replicated over tp and run on all b S tokens. Exact
-dispatch's sizes follow the routing: refused by name.
+the block without ep plus ep_swap (parallel/expert/cost.ep_moe_activation_bytes with rows_in =
+E C rows received by the rank's E / P experts, instead of the single-rank groups); under tp the
+experts are replicated over tp and run on all b S tokens. cp x ep: the cp block plus ep_swap on
+the cp rank's b S / C tokens (its routing group). Exact dispatch's sizes follow the routing:
+refused by name.
 The peak over the schedule is parallel/pipeline/cost.peak_activation_bytes of these units, as
 nd_cost.rank_peak_activations does without cp and ep.
 """
@@ -29,7 +32,7 @@ from parallel.context import cost as cp_cost
 from parallel.data.axis import layer_of
 from parallel.expert import cost as ep_cost
 from parallel.nd_cost import rank_peak_activations, tp_unit_bytes
-from parallel.pipeline.cost import UnitBytes, boundary_bytes, peak_activation_bytes, unit_bytes
+from parallel.pipeline.cost import UnitBytes, peak_activation_bytes, unit_bytes
 from parallel.pipeline.executor import split_layers
 from parallel.pipeline.schedules import make_schedule
 from parallel.tensor import cost as tp_cost
@@ -37,11 +40,9 @@ from parallel.tensor import cost as tp_cost
 
 def peak_activations(cfg, layout, B: int, S: int, coords: dict) -> int:
     """Peak activation bytes of the rank at ``coords`` (its "pp" and "cp" entries matter): cp
-    runs by cp_peak_activations, ep runs by ep_peak_activations, else rank_peak_activations."""
-    if layout.cp > 1 and layout.ep > 1:
-        raise ValueError(f"cp={layout.cp} with ep={layout.ep}: no closed form for the peak "
-                         f"activations of cp x ep yet (the cp block's MoE groups padded for "
-                         f"ep)")  # fmt: skip
+    runs by cp_peak_activations (with ep: each MoE block's cache swapped for the ep block's on
+    the cp rank's b S/C tokens, ep_swap), ep runs by ep_peak_activations, else
+    rank_peak_activations."""
     if layout.cp > 1:
         return cp_peak_activations(cfg, layout, B, S, coords["pp"], coords.get("cp", 0))
     if layout.ep > 1:
@@ -80,9 +81,13 @@ def cp_peak_activations(cfg, layout, B: int, S: int, s: int, c: int) -> int:
     recompute's one recomputed block (the backward's rise) is cp_block_bytes with recompute
     "none"."""
     b = B // (layout.dp * layout.microbatches)
+    N = b * (S // layout.cp)  # cp x ep: this cp rank's tokens are one routing group
     block = cp_block_bytes(cfg, layout, b, S, c, layout.recompute)
-    rise = cp_block_bytes(cfg, layout, b, S, c, "none") if layout.recompute == "full" else 0
-    flat = dataclasses.replace(layout, cp=1)
+    block += ep_swap(cfg, layout, N, layout.recompute)
+    rise = 0
+    if layout.recompute == "full":
+        rise = cp_block_bytes(cfg, layout, b, S, c, "none") + ep_swap(cfg, layout, N, "none")
+    flat = dataclasses.replace(layout, cp=1, ep=1)
     return _peak_with_blocks(cfg, flat, b, S // layout.cp, s, block, rise, first=8 * S)
 
 
@@ -110,25 +115,37 @@ def _peak_with_blocks(cfg, flat, b: int, S_l: int, s: int, block: int, rise: int
     return peak_activation_bytes(sched, unit)[s]
 
 
-def ep_block_bytes(cfg, layout, b: int, S: int, recompute: str) -> int:
-    """One MoE block's cache on an ep rank, padded dispatch: every routing group (one per
-    micro-batch, N = b S tokens) sends each expert its capacity C, so the rank's El experts take
-    rows_in = P El C = E C rows (parallel/expert/cost.ep_block_activation_bytes). tp > 1: the
-    tensor-parallel block (tensor/cost.py) with its tp-sharded experts' groups (F/t) replaced by
-    the ep experts', which are replicated over tp and run on all N tokens."""
+def ep_swap(cfg, layout, N: int, recompute: str) -> int:
+    """What an MoE block's cache gains on an ep rank over the same block without ep, one
+    routing group of N tokens, padded dispatch (every routing group sends each expert its
+    capacity C, so the rank's El experts take rows_in = P El C = E C rows): the ep block's MoE
+    bytes (parallel/expert/cost.ep_moe_activation_bytes) instead of the single-rank groups'
+    (flops.moe_group_bytes; under tp the tp-sharded experts' F/t - the ep experts are replicated
+    over tp and run on all N tokens). 0 without ep, for a dense model, and under full
+    recompute (only the block input is kept)."""
+    if layout.ep == 1 or not cfg.is_moe or recompute == "full":
+        return 0
     if layout.dispatch != "padded":
         raise ValueError(f"dispatch={layout.dispatch!r}: the experts' rows follow the routing "
                          f"(all-to-all-v of the kept copies); a closed form needs dispatch="
                          f"'padded' (every expert filled to capacity)")  # fmt: skip
-    N, t = b * S, layout.tp
     rows_in = cfg.n_experts * capacity(N, cfg.moe_top_k, cfg.n_experts, cfg.capacity_factor)
-    if t == 1:
-        return ep_cost.ep_block_activation_bytes(cfg, b, S, rows_in, recompute)
-    whole = tp_cost.block_activation_bytes(cfg, b, S, t, sp=layout.sequence_parallel,
-                                           regather=layout.regather,
-                                           recompute=recompute)  # fmt: skip
-    tp_cfg = dataclasses.replace(cfg, d_ff=cfg.d_ff // t)
-    return whole - moe_group_bytes(tp_cfg, N) + ep_cost.ep_moe_activation_bytes(cfg, [N], rows_in)
+    tp_cfg = dataclasses.replace(cfg, d_ff=cfg.d_ff // layout.tp)
+    return ep_cost.ep_moe_activation_bytes(cfg, [N], rows_in) - moe_group_bytes(tp_cfg, N)
+
+
+def ep_block_bytes(cfg, layout, b: int, S: int, recompute: str) -> int:
+    """One MoE block's cache on an ep rank (no cp): the block without ep (tp = 1: flops'
+    single-rank block; tp > 1: the tensor-parallel block of tensor/cost.py) plus ep_swap."""
+    ep_swap(cfg, layout, b * S, "none")  # exact dispatch: refused by name, whatever recompute
+    if layout.tp == 1:
+        whole = activation_bytes_per_block(cfg, b, S, recompute)
+    else:
+        whole = tp_cost.block_activation_bytes(cfg, b, S, layout.tp,
+                                               sp=layout.sequence_parallel,
+                                               regather=layout.regather,
+                                               recompute=recompute)  # fmt: skip
+    return whole + ep_swap(cfg, layout, b * S, recompute)
 
 
 def ep_peak_activations(cfg, layout, B: int, S: int, s: int) -> int:
@@ -149,34 +166,31 @@ def ep_local_shapes(cfg, layout, s: int) -> dict:
 
 
 def ep_rank_bytes(cfg, layout, B: int, S: int, coords: dict) -> dict:
-    """{"dp", "edp", "ep", "tp", "pp", "clip"} bytes sent per step by the rank at ``coords``
-    (its "ep" coordinate e = dp mod ep) with ep = P > 1 and padded dispatch: ep per MoE block and
-    micro-batch parallel/expert/cost.padded_bytes' four all-to-alls of (P-1)/P E C H w (C the
-    micro-batch's capacity; full recompute sends the two forward ones again); dp and edp
-    parallel/expert/nd.data_bytes (DDP or ZeRO on the replicated and on the expert tensors); tp
-    nd.tp_bytes; pp as rank_bytes; clip nd.clip_bytes (DDP: over ep; ZeRO: dp x cp; tp, pp)."""
-    from parallel.expert.nd import clip_bytes, data_bytes, tp_bytes  # they import nd_cost
+    """{"dp", "edp", "ep", "tp", "pp", "clip"} (+ "cp") bytes sent per step by the rank at
+    ``coords`` with ep = P > 1 and padded dispatch: ep per MoE block and micro-batch
+    parallel/expert/cost.padded_bytes' four all-to-alls of (P-1)/P E C H w (C the capacity of
+    one routing group: the micro-batch's b S tokens, or under cp the cp rank's b S / C; full
+    recompute sends the two forward ones again); every other axis parallel/expert/nd.rank_bytes
+    (DDP or ZeRO on the replicated and on the expert tensors, tp, pp, cp, the clip norm)."""
+    from parallel.expert.nd import rank_bytes  # it imports nd_cost
 
-    P, t, m, s = layout.ep, layout.tp, layout.microbatches, coords["pp"]
+    P, m, s = layout.ep, layout.microbatches, coords["pp"]
     b, w = B // (layout.dp * m), compute_dtype(cfg.dtype).itemsize
     shapes = ep_local_shapes(cfg, layout, s)
-    C = capacity(b * S, cfg.moe_top_k, cfg.n_experts, cfg.capacity_factor)
+    C = capacity(b * (S // layout.cp), cfg.moe_top_k, cfg.n_experts, cfg.capacity_factor)
     each = ep_cost.padded_bytes(cfg.n_experts, P, C, cfg.d_model, w)["fwd/dispatch"][0]
     blocks = {layer_of(n) for n in shapes if n.startswith("blocks.")}
     per = each * (2 * (1 + (layout.recompute == "full")) + 2)
-    sched = make_schedule(layout.schedule, layout.pp, m, layout.chunks)
-    S_l = S // t if layout.sequence_parallel else S
-    return data_bytes(cfg, layout, shapes) | {
-        "ep": len(blocks) * m * per,
-        "tp": tp_bytes(cfg, layout, B, S, coords),
-        "pp": boundary_bytes(sched, b * S_l * cfg.d_model * w)[s],
-        "clip": clip_bytes(layout, coords),
-    }
+    return rank_bytes(cfg, layout, B, S, coords, shapes) | {"ep": len(blocks) * m * per}
 
 
 def ep_rank_memory(cfg, layout, s: int) -> dict:
-    """Static = peak bytes of params, grads and optimizer of a stage-s rank with ep > 1:
-    parallel/expert/nd.static_memory on ep_local_shapes (DDP over dp and over edp)."""
-    from parallel.expert.nd import static_memory
+    """Peak bytes of params, grads and optimizer of a stage-s rank with ep > 1:
+    parallel/expert/nd.peak_memory (DDP / ZeRO-1 static; ZeRO-2 one unit's full gradient;
+    ZeRO-3 a layer's gathered dense + expert units) and the optimizer's static bytes
+    (nd.static_memory)."""
+    from parallel.expert.nd import peak_memory, static_memory
 
-    return static_memory(cfg, layout, ep_local_shapes(cfg, layout, s))
+    shapes = ep_local_shapes(cfg, layout, s)
+    peak = peak_memory(cfg, layout, shapes, s)
+    return peak | {"optimizer": static_memory(cfg, layout, shapes)["optimizer"]}

@@ -1,5 +1,5 @@
 """Context and expert parallelism in the dry run of parallel.train, and nd_cost's closed forms
-for them: on every rank of cp and ep layouts drawn by hypothesis, the dry run's bytes (per tag
+for them: on every rank of cp and ep layouts (ZeRO 0-3, and cp x ep) drawn by hypothesis, the dry run's bytes (per tag
 and per axis) and memory (current and peak per category) equal the real run's on virtual ranks,
 and the real run's bytes per axis and peaks per category - activations included, by
 nd_cost_cp_ep.peak_activations (cp: the cp rank's S/C tokens and its method's attention cache;
@@ -81,6 +81,7 @@ def ep_layouts(draw):
     rcs = ["none", "selective"] + ["full"] * (tp == 1)
     return Layout(dp=dp, pp=pp, tp=tp, ep=ep, dispatch="padded", schedule=sched, microbatches=m,
                   chunks=2 if sched == "interleaved" else 1, recompute=draw(st.sampled_from(rcs)),
+                  zero=draw(st.integers(0, 3)),
                   sequence_parallel=tp > 1 and draw(st.booleans()),
                   dtype=draw(st.sampled_from(["float64", "mixed"])))  # fmt: skip
 
@@ -99,13 +100,45 @@ def test_ep_layouts_padded_to_capacity_dry_real_and_formulas(lay, K, cf):
         (Layout(cp=4, recompute="full", cp_method="all-gather"), 0, 8),
         (Layout(dp=4, ep=2, pp=2, microbatches=2, dispatch="padded", recompute="full"), 4, 4),
         (Layout(dp=2, ep=2, tp=2, microbatches=2, dispatch="padded", sequence_parallel=True), 4, 4),
+        (Layout(dp=4, ep=2, zero=3, prefetch=True, dispatch="padded"), 4, 4),
+        (Layout(dp=2, ep=2, pp=2, zero=2, microbatches=2, dispatch="padded"), 4, 4),
+        (Layout(dp=2, cp=2, ep=2, dispatch="padded", cp_method="ring"), 4, 8),
+        (
+            Layout(
+                dp=2,
+                cp=2,
+                ep=2,
+                zero=3,
+                dispatch="padded",
+                cp_method="all-gather",
+                cp_balance="contiguous",
+                recompute="full",
+            ),
+            4,
+            8,
+        ),
+        (
+            Layout(
+                dp=2,
+                cp=2,
+                ep=2,
+                tp=2,
+                zero=1,
+                dispatch="padded",
+                cp_method="ulysses",
+                sequence_parallel=True,
+                dtype="mixed",
+            ),
+            4,
+            8,
+        ),
     ],
     ids=str,
 )
 def test_cp_and_ep_examples(lay, experts, S):
     real = assert_all_equal(cfg_of(experts, cf=0.75), lay, B=lay.dp * lay.microbatches * 2, S=S)
-    axis = "cp" if lay.cp > 1 else "ep"
-    assert all(fig["axes"][axis] > 0 for fig in real)  # the axis's traffic ran and was priced
+    for axis in ("cp",) * (lay.cp > 1) + ("ep",) * (lay.ep > 1):
+        assert all(fig["axes"][axis] > 0 for fig in real)  # the axis's traffic ran, was priced
 
 
 def test_ep_activation_formula_refuses_exact_dispatch_and_dry_run_too():
@@ -114,6 +147,6 @@ def test_ep_activation_formula_refuses_exact_dispatch_and_dry_run_too():
         nd_cost_cp_ep.peak_activations(cfg_of(4), lay, 4, 4, {"pp": 0, "cp": 0})
     with pytest.raises(ValueError, match="exact dispatch sends the routed rows themselves"):
         dry_nd(cfg_of(4), lay, 4, 4)
-    both = Layout(dp=2, cp=2, ep=2, dispatch="padded")  # not composed: refused, not mispriced
-    with pytest.raises(ValueError, match="no closed form for the peak activations of cp x ep"):
+    both = Layout(dp=2, cp=2, ep=2, dispatch="exact")  # cp x ep: the same rule
+    with pytest.raises(ValueError, match="a closed form needs dispatch='padded'"):
         nd_cost_cp_ep.peak_activations(cfg_of(4), both, 4, 8, {"pp": 0, "cp": 0})
