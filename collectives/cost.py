@@ -92,6 +92,21 @@ def ring_all_reduce(n: int, p: int, itemsize: int, rank: int) -> tuple[int, int]
     return s1 + s2, r1 + r2
 
 
+# -- pipelining (both trees) ----------------------------------------------------------------
+# A tree edge's S bytes travel as ceil(S / TREE_CHUNK) messages of at most TREE_CHUNK bytes
+# (NCCL's trees stream chunks the same way): a rank forwards chunk k while chunk k+1 arrives,
+# so the tree's levels work at once. Chunking splits messages, never bytes: every formula below
+# holds for any chunk size, and each element's reduction order is the unchunked one.
+TREE_CHUNK = 1 << 19  # bytes per message at most; 512 KiB measured best of 128 KiB..4 MiB
+
+
+def chunk_spans(n: int, itemsize: int, chunk: int | None = None) -> list[tuple[int, int]]:
+    """[start, end) element spans of n elements in messages of at most `chunk` bytes (at least
+    one element each); n = 0 is one empty message, as unchunked."""
+    step = max(1, (TREE_CHUNK if chunk is None else chunk) // max(int(itemsize), 1))
+    return [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
+
+
 # -- binomial tree ----------------------------------------------------------------------------
 def tree_children(v: int, p: int) -> list[int]:
     """Children of relative rank v in the binomial tree of p ranks, nearest first."""

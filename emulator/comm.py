@@ -85,6 +85,11 @@ class Comm:
         self._post(array, dst, self._channel())
         self._record("send", dst, array.nbytes)
 
+    def send_lent(self, array, dst: int) -> None:
+        """`send` for a collective that leaves `array` unwritten until it ends: a backend may
+        skip the eager copy (MPI does, and waits for the send at the collective's end)."""
+        self.send(array, dst)
+
     def recv(self, src: int, out=None, shape=None, dtype=None):
         """Receive the next message from group rank `src`; returns it (in `out` if given)."""
         self._peer(src, "receive from")
