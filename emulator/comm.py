@@ -25,6 +25,7 @@ training job's traffic.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 
@@ -135,7 +136,7 @@ class Comm:
             algorithm=algorithm,
             group=self.name,
             shape=() if a is None else tuple(a.shape),
-            dtype="-" if a is None else str(a.dtype),
+            dtype="-" if a is None else _dtype_name(a.dtype),
             extra=extra,
         )
         st.calls.append(call)
@@ -262,6 +263,11 @@ class Comm:
 
     def _make_group(self, glob: tuple, name: str, key) -> Comm:
         raise NotImplementedError
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_name(dtype: np.dtype) -> str:
+    return str(dtype)  # computed in Python by NumPy: several us, once per call otherwise
 
 
 def _expected(out, shape, dtype):

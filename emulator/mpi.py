@@ -43,6 +43,7 @@ from .mpi_control import (
 HEADER = 64  # bytes before a user point-to-point message's payload: "float64[2, 4]\0\0..."
 
 
+@functools.cache  # the module, once: a function-level import costs ~1 us a call
 def _mpi():
     try:
         from mpi4py import MPI

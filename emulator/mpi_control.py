@@ -21,6 +21,7 @@ naming sender, receiver and size.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import time
@@ -36,6 +37,7 @@ SPIN = 5e-5  # seconds of bare polling before a wait yields its core (see poll)
 END = "the end-of-run check (its program returned; launch's final handshake)"
 
 
+@functools.cache
 def _mpi():
     from mpi4py import MPI
 
