@@ -54,6 +54,8 @@ all-reduce is latency-bound. `auto_all_reduce` picks whichever of ring and tree 
 
 from __future__ import annotations
 
+import functools
+
 # A network-like operating point (per-hop latency incl. launch, per-link bandwidth): it only
 # decides the "auto" policy and the model column of the benchmark, never a byte count.
 ALPHA = 5e-6  # seconds per message step
@@ -62,8 +64,13 @@ BANDWIDTH = 25e9  # bytes per second (a 200 Gb/s link)
 
 def chunk_counts(n: int, p: int) -> list[int]:
     """Elements (or rows) per rank, np.array_split's rule: the first n % p get one extra."""
-    base, extra = divmod(int(n), int(p))
-    return [base + (i < extra) for i in range(p)]
+    return list(_counts(int(n), int(p)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _counts(n: int, p: int) -> tuple:  # cached: every all-reduce of a bucket asks again
+    base, extra = divmod(n, p)
+    return tuple(base + (i < extra) for i in range(p))
 
 
 def offsets(counts) -> list[int]:

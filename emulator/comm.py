@@ -145,7 +145,11 @@ class Comm:
         st.progress += 1
         try:
             self._check(call)
-            yield
+            try:
+                yield
+            except BaseException as exc:
+                self._failed_call(call, exc)  # a backend may name a better cause, else re-raised
+                raise
             self._end_call(call)  # only after a clean exit: a failing body is reported as is
         finally:
             st.depth = 0
@@ -260,6 +264,10 @@ class Comm:
     def _end_call(self, call: Call) -> None:
         """The outermost collective `call` returned on this rank: a backend that can see
         messages of its channel still waiting here raises `UnreceivedMessage`."""
+
+    def _failed_call(self, call: Call, exc: BaseException) -> None:
+        """The outermost collective `call`'s body raised `exc` on this rank: a backend may
+        raise the error it explains instead (MPI: a collective mismatch its check shows)."""
 
     def _make_group(self, glob: tuple, name: str, key) -> Comm:
         raise NotImplementedError

@@ -18,7 +18,6 @@ algorithm, shape and dtype before a byte moved (with `check=False` that guard is
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import math
@@ -84,7 +83,7 @@ class MPIComm(Comm):
                 self._verified()
             return False
 
-        poll(ready, self.world.timeout, lambda: self._hang(what))
+        poll(ready, self.world.timeout, lambda: self._hang(what), self.world.spin)
 
     def _hang(self, what: str) -> str:
         chk = self.checking
@@ -214,24 +213,18 @@ class MPIComm(Comm):
         self.traffic.sent_b[dst] += array.nbytes
         self._record("send", dst, array.nbytes)
 
-    @contextlib.contextmanager
-    def collective(self, op: str, algorithm: str = "", array=None, extra: str = ""):
-        outer = self.state.depth == 0
-        with super().collective(op, algorithm, array, extra):
-            call = self.state.current
-            if not outer:
-                yield
-                return
-            try:
-                yield
-            except BaseException as exc:
-                self._settle(exc)
-                raise
-            self._verify_check()
+    def _end_call(self, call: Call) -> None:
+        # The checks of a clean end, in order: the labels (a mismatch explains everything
+        # else), our sends without a copy taken, no message of this call left unreceived.
+        self._verify_check()
+        if self.lent:
             for req, dst in self.lent:
                 self._wait(req.Test, f"for rank {self.ranks[dst]} to take our message")
             self.lent.clear()
-            self._leftover(call)
+        self._leftover(call)
+
+    def _failed_call(self, call: Call, exc: BaseException) -> None:
+        self._settle(exc)
 
     def _leftover(self, call: Call) -> None:
         # A message of this collective that no receive took (one already here; a later one is

@@ -33,7 +33,7 @@ from .comm import CollectiveMismatch, CommError, CommTimeout, mismatch_message
 CTRL_TAG = 1  # a group's own control exchanges (collective checks, object gathers, the end)
 GROUP_TAG = 2  # group-membership checks, on the parent group's communicator
 OBJECTS = "a control-plane object gather (allgather_object / gather_object / barrier())"
-SPIN = 5e-5  # seconds of bare polling before a wait yields its core (see poll)
+SPIN = 5e-5  # seconds of bare polling before a wait yields its core, when ranks <= cores (poll)
 END = "the end-of-run check (its program returned; launch's final handshake)"
 
 
@@ -44,21 +44,21 @@ def _mpi():
     return MPI
 
 
-def poll(done, timeout: float, report) -> None:
+def poll(done, timeout: float, report, spin: float = 0.0) -> None:
     """Wait until done() is true, at most `timeout` s; then raise CommTimeout(report()).
 
-    Three phases. First SPIN s of bare polls: a peer that answers within microseconds (the
-    common case of a collective's step) is seen at once, as MPI's own blocking calls spin.
-    Then polls that give the core away: ranks often outnumber cores (4 ranks on a 2-core
-    laptop), and a spinning rank would starve the peer it waits for; sched_yield returns at
-    once when nothing else is runnable. After 50 ms we sleep between polls so a long wait does
-    not burn a core.
+    Three phases. First `spin` s of bare polls (MPIWorld.spin: SPIN when every rank has a core
+    of its own, else 0): a peer that answers within microseconds (the common case of a
+    collective's step) is seen at once, as MPI's own blocking calls spin. Then polls that give
+    the core away: ranks often outnumber cores (4 ranks on a 2-core laptop), and a spinning
+    rank would starve the peer it waits for; sched_yield returns at once when nothing else is
+    runnable. After 50 ms we sleep between polls so a long wait does not burn a core.
     """
     if done():
         return
     start = time.monotonic()
     deadline = start + timeout
-    spin = start + SPIN
+    spin = start + spin
     while not done():
         now = time.monotonic()
         if now < spin:
@@ -122,7 +122,7 @@ class Exchange:
 
     def wait(self, what: str, timeout: float | None = None) -> dict:
         t = self.comm.world.timeout if timeout is None else timeout
-        poll(self.progress, t, lambda: self.report(what))
+        poll(self.progress, t, lambda: self.report(what), self.comm.world.spin)
         return self.got
 
 
@@ -174,6 +174,8 @@ class MPIWorld:
         self.pending: list = []  # (request, buffer): eager sends not yet known complete
         self.traffic: dict = {}  # group key -> Traffic
         self.live_groups = 0
+        ranks = _mpi().COMM_WORLD.Get_size()
+        self.spin = SPIN if ranks <= len(os.sched_getaffinity(0)) else 0.0  # see poll
 
     def counts(self, key, name: str, ranks: tuple) -> Traffic:
         t = self.traffic.get(key)
