@@ -75,8 +75,8 @@ def worker(args) -> int:
     return 0
 
 
-def _launch(cmd: list, what: str) -> dict:
-    env = {**os.environ, **ONE_THREAD}
+def _launch(cmd: list, what: str, path: str | None = None) -> dict:
+    env = {**os.environ, **ONE_THREAD, **({"PYTHONPATH": path} if path else {})}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, check=False)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode or not lines:
@@ -94,6 +94,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=cli.positive_int, default=3, help="timed steps per launch")
     ap.add_argument("--batch", type=cli.positive_int, default=8, help="global batch (even)")
     ap.add_argument("--worker", action="store_true", help=argparse_hidden())
+    ap.add_argument("--before", metavar="CHECKOUT", help="also interleave another checkout's "
+                    "emulator (its packages on PYTHONPATH, this worker): before / after")  # fmt: skip
     args = ap.parse_args(argv)
     if args.batch % 2:
         ap.error(f"argument --batch: {args.batch} is odd; 2 ranks need an even global batch")
@@ -106,8 +108,16 @@ def main(argv=None) -> int:
     peer = Path(__file__).with_name("torch_peer_ddp.py")
     has_torch = importlib.util.find_spec("torch") is not None
     torch_cmd = [sys.executable, str(peer), *common]
-    ours, theirs = [], []
+    ours, theirs, before = [], [], []
+    # this file's worker over the other checkout's packages (run by path: -c keeps the script's
+    # folder, whose collectives.py would shadow the package, off sys.path)
+    run_here = (
+        f"import runpy; runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')"
+    )
+    before_cmd = ours_cmd[:4] + ["-c", run_here, *ours_cmd[6:]]
     for _ in range(args.rounds):
+        if args.before:
+            before.append(_launch(before_cmd, "the other checkout's worker", args.before))
         ours.append(_launch(ours_cmd, "our DDP worker"))
         if has_torch:
             theirs.append(_launch(torch_cmd, "the PyTorch DDP peer"))
@@ -115,6 +125,7 @@ def main(argv=None) -> int:
           f"{args.steps} timed steps per launch, {args.rounds} interleaved rounds, "
           f"1 thread per process; load {os.getloadavg()[0]:.1f}")  # fmt: skip
     rows = [("ours (MPI)", ours)] + ([("torch DDP/gloo", theirs)] if has_torch else [])
+    rows += [("--before (MPI)", before)] if before else []
     for name, ts in rows:
         e = sorted(_eff(t) for t in ts)
         single = statistics.median(t["single"] for t in ts) * 1e3
