@@ -254,7 +254,8 @@ def double_tree_all_reduce_time(nbytes: int, p: int, alpha=ALPHA, bandwidth=BAND
     not wait for each other. Hence T = 2 L (2 alpha + S/B): the binomial tree's bandwidth term and
     twice its latency term - an upper bound (the root's one child makes the top level cheaper).
     NCCL pipelines chunks of each half through the tree, so every level works at once and the
-    bandwidth term falls towards the ring's 2 S/B; we send each half whole (double_tree.py).
+    bandwidth term falls towards the ring's 2 S/B; double_tree.py does too (TREE_CHUNK), but
+    this model, and so `auto`'s choice, stays the unpipelined one.
     """
     return 2 * (p - 1).bit_length() * (2 * alpha + nbytes / bandwidth)
 

@@ -12,8 +12,11 @@ Channels: user point-to-point messages travel with MPI tag 0, a collective's mes
 control plane's tags 1 and 2. A user
 message carries a 64-byte prefix naming its dtype and shape (uncounted, like the checks), so a
 receive of the right byte count but another dtype or shape is an error naming both sides. A
-collective's messages carry none: the collective check already compared every rank's op,
-algorithm, shape and dtype before a byte moved (with `check=False` that guard is off).
+collective's messages carry none: the collective check compares every rank's op, algorithm,
+shape and dtype (its labels travel beside the data and are compared during the call's waits and
+before it returns; a size error or hang a differing call causes is reported as the mismatch; with
+`check=False` that guard is off). Collectives send their own buffers without the eager copy
+(`send_lent`), waited for at the call's end.
 """
 
 from __future__ import annotations
