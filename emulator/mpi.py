@@ -72,7 +72,6 @@ class MPIComm(Comm):
         self.traffic = world.counts(key, name, self.ranks)
         self.tag_ub = _mpi().COMM_WORLD.Get_attr(_mpi().TAG_UB)
         self.checking = None  # the open collective's check (mpi_control.Exchange) until verified
-        self.lent: list = []  # (request, peer) of the open collective's sends without a copy
         self.status = _mpi().Status()
 
     def _wait(self, done, what: str) -> None:
@@ -211,7 +210,8 @@ class MPIComm(Comm):
         array = self._as_message(array, "send")
         self._peer(dst, "send to")
         buf = np.ascontiguousarray(array).reshape(-1).view(np.uint8)  # a view: no copy
-        self.lent.append((self.mpi.Isend(buf, dest=dst, tag=self._tag(self._channel())), dst))
+        req = self.mpi.Isend(buf, dest=dst, tag=self._tag(self._channel()))
+        self.world.lent.append((req, buf, self.ranks[dst]))  # the world's: any group's call
         self.traffic.sent_n[dst] += 1
         self.traffic.sent_b[dst] += array.nbytes
         self._record("send", dst, array.nbytes)
@@ -220,10 +220,11 @@ class MPIComm(Comm):
         # The checks of a clean end, in order: the labels (a mismatch explains everything
         # else), our sends without a copy taken, no message of this call left unreceived.
         self._verify_check()
-        if self.lent:
-            for req, dst in self.lent:
-                self._wait(req.Test, f"for rank {self.ranks[dst]} to take our message")
-            self.lent.clear()
+        lent = self.world.lent
+        if lent:
+            for req, _, peer in lent:
+                self._wait(req.Test, f"for rank {peer} to take our message")
+            lent.clear()
         self._leftover(call)
 
     def _failed_call(self, call: Call, exc: BaseException) -> None:
@@ -267,7 +268,9 @@ class MPIComm(Comm):
     def _settle(self, exc: BaseException) -> None:
         """The body of a checked collective failed: if the other ranks' labels (most often
         already here) show a different call, that mismatch is the error; else `exc` stands."""
-        self.lent.clear()
+        w = self.world
+        w.pending.extend((req, buf) for req, buf, _ in w.lent)  # buffers alive until sent
+        w.lent.clear()
         if self.checking is None or isinstance(exc, CollectiveMismatch):
             self.checking = None
             return

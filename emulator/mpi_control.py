@@ -79,7 +79,17 @@ class Exchange:
     other rank's index in `mpicomm` to its world rank (for messages); `comm` is the MPIComm on
     whose behalf we wait (its timeout, rank and flight recorder)."""
 
-    __slots__ = ("comm", "got", "label", "mpicomm", "peers", "probing", "receiving", "status")
+    __slots__ = (
+        "comm",
+        "got",
+        "label",
+        "mpicomm",
+        "peers",
+        "probing",
+        "receiving",
+        "status",
+        "tag",
+    )
 
     def __init__(self, comm, mpicomm, peers: dict, label: str, payload: bytes, tag: int):
         text = label.encode()
@@ -90,19 +100,19 @@ class Exchange:
         comm.world.prune()
         self.comm, self.mpicomm, self.peers, self.label = comm, mpicomm, peers, label
         self.got: dict = {}
-        self.probing = {p: tag for p in peers}
+        self.probing, self.tag = set(peers), tag
         self.receiving: list = []
         self.status = _mpi().Status()
 
     def progress(self) -> bool:
         if self.probing:
             status, mpicomm = self.status, self.mpicomm
-            for p, tag in list(self.probing.items()):
-                m = mpicomm.Improbe(source=p, tag=tag, status=status)
+            for p in list(self.probing):
+                m = mpicomm.Improbe(source=p, tag=self.tag, status=status)
                 if m is not None:
                     buf = np.empty(status.Get_count(_mpi().BYTE), np.uint8)
                     self.receiving.append((p, m.Irecv(buf), buf))
-                    del self.probing[p]
+                    self.probing.discard(p)
         for item in list(self.receiving):
             p, req, buf = item
             if req.Test():
@@ -173,6 +183,7 @@ class MPIWorld:
         self.timeout = float(timeout)
         self.check = check
         self.pending: list = []  # (request, buffer): eager sends not yet known complete
+        self.lent: list = []  # (request, buffer, peer): the open collective's uncopied sends
         self.traffic: dict = {}  # group key -> Traffic
         self.live_groups = 0
         ranks = _mpi().COMM_WORLD.Get_size()

@@ -129,6 +129,17 @@ def test_control_plane_call_against_a_collective_is_a_mismatch(case, counted, n,
 
 
 @pytest.mark.parametrize("n", [2, 4])
+def test_mismatch_is_named_even_when_the_data_plane_fails_first(n, tmp_path):
+    # the check's labels travel beside the data: rank 0's ring message reaches a tree rank (a
+    # size error there), a tree message reaches rank 0 or never comes - every rank must still
+    # end in the mismatch, naming both calls
+    ends = ranks_end_in("ring_vs_tree", n, tmp_path)
+    for e in ends:
+        assert e.startswith("CollectiveMismatch: collective mismatch in group 'world'"), e
+        assert "algorithm='ring'" in e and "algorithm='tree'" in e, e
+
+
+@pytest.mark.parametrize("n", [2, 4])
 def test_hard_exit_of_a_rank_fails_the_job_naming_it(n):
     out = launched("hard_exit", n)
     assert out.returncode != 0, out.stderr
