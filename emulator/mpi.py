@@ -74,7 +74,9 @@ class MPIComm(Comm):
         self.checking = None  # the open collective's check (mpi_control.Exchange) until verified
         self.status = _mpi().Status()
 
-    def _wait(self, done, what: str) -> None:
+    def _wait(self, done, what: str, *args) -> None:
+        """Poll done() with the deadline; `what % args` says what we waited for (formatted
+        only for the timeout's message: most waits end at the first poll)."""
         if done():  # the common case: already there, no closures
             return
 
@@ -85,7 +87,8 @@ class MPIComm(Comm):
                 self._verified()
             return False
 
-        poll(ready, self.world.timeout, lambda: self._hang(what), self.world.spin)
+        report = lambda: self._hang(what % args if args else what)
+        poll(ready, self.world.timeout, report, self.world.spin)
 
     def _hang(self, what: str) -> str:
         chk = self.checking
@@ -166,13 +169,13 @@ class MPIComm(Comm):
         MPI = _mpi()
         status = self.status
         try:
-            self._wait(lambda: req.Test(status), f"to receive from rank {self.ranks[src]}")
+            self._wait(lambda: req.Test(status), "to receive from rank %d", self.ranks[src])
         except MPI.Exception as exc:  # a larger message than expected: MPI_ERR_TRUNCATE
             raise self._size_error(src, out, f"more than {out.nbytes}") from exc
         if status.Get_count(MPI.BYTE) != out.nbytes:
             raise self._size_error(src, out, str(status.Get_count(MPI.BYTE)))
         if send_req is not None:
-            self._wait(send_req.Test, f"for rank {self.ranks[dst]} to take our message")
+            self._wait(send_req.Test, "for rank %d to take our message", self.ranks[dst])
 
     def _size_error(self, src: int, out, got: str) -> CommError:
         return CommError(
@@ -223,7 +226,7 @@ class MPIComm(Comm):
         lent = self.world.lent
         if lent:
             for req, _, peer in lent:
-                self._wait(req.Test, f"for rank {peer} to take our message")
+                self._wait(req.Test, "for rank %d to take our message", peer)
             lent.clear()
         self._leftover(call)
 
