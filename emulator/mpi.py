@@ -73,6 +73,7 @@ class MPIComm(Comm):
         self.tag_ub = _mpi().COMM_WORLD.Get_attr(_mpi().TAG_UB)
         self.checking = None  # the open collective's check (mpi_control.Exchange) until verified
         self.status = _mpi().Status()
+        self.others = {j: g for j, g in enumerate(self.ranks) if j != self.rank}  # -> world rank
 
     def _wait(self, done, what: str, *args) -> None:
         """Poll done() with the deadline; `what % args` says what we waited for (formatted

@@ -31,6 +31,8 @@ import numpy as np
 
 from .comm import CollectiveMismatch, CommError, CommTimeout, mismatch_message
 
+EAGER = 1024  # bytes: a control message this short (below the eager limits of MPICH and Open
+# MPI shared memory, 4 KiB) has fully arrived once probed, so Exchange receives it outright
 CTRL_TAG = 1  # a group's own control exchanges (collective checks, object gathers, the end)
 GROUP_TAG = 2  # group-membership checks, on the parent group's communicator
 OBJECTS = "a control-plane object gather (allgather_object / gather_object / barrier())"
@@ -79,26 +81,18 @@ class Exchange:
     other rank's index in `mpicomm` to its world rank (for messages); `comm` is the MPIComm on
     whose behalf we wait (its timeout, rank and flight recorder)."""
 
-    __slots__ = (
-        "comm",
-        "got",
-        "label",
-        "mpicomm",
-        "peers",
-        "probing",
-        "receiving",
-        "status",
-        "tag",
-    )
+    __slots__ = ("comm", "got", "label", "mpicomm", "payload", "peers", "probing", "raw",
+                 "receiving", "status", "tag")  # fmt: skip
 
     def __init__(self, comm, mpicomm, peers: dict, label: str, payload: bytes, tag: int):
         text = label.encode()
-        msg = np.frombuffer(len(text).to_bytes(8, "little") + text + payload, np.uint8)
+        raw = len(text).to_bytes(8, "little") + text + payload  # bytes: MPI sends them as they are
         pending = comm.world.pending
         for p in peers:
-            pending.append((mpicomm.Isend(msg, dest=p, tag=tag), msg))
+            pending.append((mpicomm.Isend(raw, dest=p, tag=tag), raw))
         comm.world.prune()
         self.comm, self.mpicomm, self.peers, self.label = comm, mpicomm, peers, label
+        self.raw, self.payload = raw, payload
         self.got: dict = {}
         self.probing, self.tag = set(peers), tag
         self.receiving: list = []
@@ -109,17 +103,29 @@ class Exchange:
             status, mpicomm = self.status, self.mpicomm
             for p in list(self.probing):
                 m = mpicomm.Improbe(source=p, tag=self.tag, status=status)
-                if m is not None:
-                    buf = np.empty(status.Get_count(_mpi().BYTE), np.uint8)
+                if m is None:
+                    continue
+                self.probing.discard(p)
+                buf = np.empty(status.Get_count(_mpi().BYTE), np.uint8)
+                if buf.size <= EAGER:  # a short message is all here once matched: take it now
+                    m.Recv(buf)
+                    self._took(p, buf)
+                else:  # a long one may still be in transfer: a request, tested with the deadline
                     self.receiving.append((p, m.Irecv(buf), buf))
-                    self.probing.discard(p)
         for item in list(self.receiving):
             p, req, buf = item
             if req.Test():
-                n = int.from_bytes(buf[:8].tobytes(), "little")
-                self.got[p] = (buf[8 : 8 + n].tobytes().decode(), buf[8 + n :].tobytes())
+                self._took(p, buf)
                 self.receiving.remove(item)
         return not self.probing and not self.receiving
+
+    def _took(self, p: int, buf) -> None:
+        raw = buf.tobytes()
+        if raw == self.raw:  # the same call (the common case): nothing to decode
+            self.got[p] = (self.label, self.payload)
+            return
+        n = int.from_bytes(raw[:8], "little")
+        self.got[p] = (raw[8 : 8 + n].decode(), raw[8 + n :])
 
     def report(self, what: str) -> str:
         comm = self.comm
@@ -153,8 +159,7 @@ def verify(comm, label: str, got: dict) -> None:
 def check_exchange(comm, label: str) -> Exchange:
     """Start a collective's cross-rank check: its label to every other rank of `comm` (the
     receiving side is completed by the data plane's waits and at the collective's end)."""
-    peers = {j: comm.ranks[j] for j in range(comm.world_size) if j != comm.rank}
-    return Exchange(comm, comm.ctrl, peers, label, b"", CTRL_TAG)
+    return Exchange(comm, comm.ctrl, comm.others, label, b"", CTRL_TAG)
 
 
 def gather(comm, label: str, payload: bytes, what: str) -> list:
