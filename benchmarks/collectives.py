@@ -11,7 +11,8 @@ all-gather's output (each rank gives S/p); S is rounded down to a multiple of 4p
 algbw = S / t; busbw = algbw * 2(p-1)/p for all-reduce and algbw * (p-1)/p for reduce-scatter
 and all-gather (nccl-tests' PERFORMANCE.md), so busbw is comparable with one link's bandwidth
 whatever p is. Times are the median over iterations of the slowest rank, each iteration
-starting after a barrier.
+starting after a barrier; under MPI ours and native alternate for --rounds rounds, the time
+columns show the best round's and the ratio column the per-round ratio's min / median / max.
 Virtual ranks: a 64 MiB float32 all-reduce over 8 ranks against the same work done by NumPy in
 one thread (sum of the 8 buffers + 8 copies of the result), then 256 ranks on a small buffer.
 """
@@ -123,11 +124,14 @@ def bench_mpi(args) -> int:
             it = _iters(nbytes, args.budget)
             mine, nat = (lambda f=ours_fn, x=x: f(comm, x)), native(op, x, out)
             mine(), nat()  # warm-up
-            # 3 interleaved rounds, best median of each: a shared machine disturbs single rounds
-            rounds = [(timed(mine, it), timed(nat, it)) for _ in range(3)]
+            # interleaved rounds (ours, native, ours, ...): a shared machine disturbs single
+            # rounds, so the ratio is taken per round and its min / median / max printed
+            rounds = [(timed(mine, it), timed(nat, it)) for _ in range(args.rounds)]
             ours, theirs = min(r[0] for r in rounds), min(r[1] for r in rounds)
+            ratios = sorted(a / b for a, b in rounds)
             row = _row(op, 4 * n, ours, p) + _row(op, 4 * n, theirs, p)[2:]
-            rows.append(row + [f"{ours / theirs:.2f}x"])
+            mid = float(np.median(ratios))
+            rows.append(row + [f"{ratios[0]:.2f} / {mid:.2f} / {ratios[-1]:.2f}"])
     if comm.rank == 0:
         print(
             f"float32, all_reduce algorithm={args.algorithm!r}, {p} MPI ranks (ours vs mpi4py's "
@@ -142,7 +146,7 @@ def bench_mpi(args) -> int:
             "native us",
             "native algbw",
             "native busbw",
-            "ours/native",
+            "ours/native min/med/max",
         ]
         print(format_table(head, rows))
     comm.world.finish(comm)
@@ -238,6 +242,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--ops", type=ops_flag, default=",".join(OPS), help=f"comma-separated, from {OPS}"
     )
+    ap.add_argument("--rounds", type=cli.positive_int, default=5, help="interleaved rounds (MPI)")
     ap.add_argument("--ranks", type=cli.ranks_flag, default=8, help="virtual ranks for the table")
     ap.add_argument("--many", type=cli.ranks_flag, default=256, help="ranks for the small case")
     ap.add_argument("--budget", type=cli.positive_int, default=512 * MiB,

@@ -54,6 +54,8 @@ all-reduce is latency-bound. `auto_all_reduce` picks whichever of ring and tree 
 
 from __future__ import annotations
 
+import functools
+
 # A network-like operating point (per-hop latency incl. launch, per-link bandwidth): it only
 # decides the "auto" policy and the model column of the benchmark, never a byte count.
 ALPHA = 5e-6  # seconds per message step
@@ -62,8 +64,13 @@ BANDWIDTH = 25e9  # bytes per second (a 200 Gb/s link)
 
 def chunk_counts(n: int, p: int) -> list[int]:
     """Elements (or rows) per rank, np.array_split's rule: the first n % p get one extra."""
-    base, extra = divmod(int(n), int(p))
-    return [base + (i < extra) for i in range(p)]
+    return list(_counts(int(n), int(p)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _counts(n: int, p: int) -> tuple:  # cached: every all-reduce of a bucket asks again
+    base, extra = divmod(n, p)
+    return tuple(base + (i < extra) for i in range(p))
 
 
 def offsets(counts) -> list[int]:
@@ -90,6 +97,21 @@ def ring_all_reduce(n: int, p: int, itemsize: int, rank: int) -> tuple[int, int]
     s1, r1 = ring_reduce_scatter(counts, itemsize, rank)
     s2, r2 = ring_all_gather(counts, itemsize, rank)
     return s1 + s2, r1 + r2
+
+
+# -- pipelining (both trees) ----------------------------------------------------------------
+# A tree edge's S bytes travel as ceil(S / TREE_CHUNK) messages of at most TREE_CHUNK bytes
+# (NCCL's trees stream chunks the same way): a rank forwards chunk k while chunk k+1 arrives,
+# so the tree's levels work at once. Chunking splits messages, never bytes: every formula below
+# holds for any chunk size, and each element's reduction order is the unchunked one.
+TREE_CHUNK = 1 << 19  # bytes per message at most; best of 128 KiB / 512 KiB / 2 MiB measured
+
+
+def chunk_spans(n: int, itemsize: int, chunk: int | None = None) -> list[tuple[int, int]]:
+    """[start, end) element spans of n elements in messages of at most `chunk` bytes (at least
+    one element each); n = 0 is one empty message, as unchunked."""
+    step = max(1, (TREE_CHUNK if chunk is None else chunk) // max(int(itemsize), 1))
+    return [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
 
 
 # -- binomial tree ----------------------------------------------------------------------------
@@ -232,7 +254,8 @@ def double_tree_all_reduce_time(nbytes: int, p: int, alpha=ALPHA, bandwidth=BAND
     not wait for each other. Hence T = 2 L (2 alpha + S/B): the binomial tree's bandwidth term and
     twice its latency term - an upper bound (the root's one child makes the top level cheaper).
     NCCL pipelines chunks of each half through the tree, so every level works at once and the
-    bandwidth term falls towards the ring's 2 S/B; we send each half whole (double_tree.py).
+    bandwidth term falls towards the ring's 2 S/B; double_tree.py does too (TREE_CHUNK), but
+    this model, and so `auto`'s choice, stays the unpipelined one.
     """
     return 2 * (p - 1).bit_length() * (2 * alpha + nbytes / bandwidth)
 

@@ -20,10 +20,11 @@ while it receives its children's halves in one tree, it sends its own half up th
            / \ / \       / \ / \
            1 3 5 7       6 4 2 0
 
-Unpipelined: each half crosses each edge as one message. NCCL cuts the halves into chunks that
-stream through the tree, which overlaps the levels and brings the time towards the ring's; here
-that would change the message count and the threads' timing only. Bytes (cost.py) and results
-are the same for any chunking, because each element's reduction order is fixed by the tree.
+Pipelined as NCCL's: each half crosses each edge in chunks of at most cost.TREE_CHUNK bytes
+(cost.chunk_spans), reduced and forwarded as they come, so the levels overlap; sends go out
+without an eager copy (`send_lent`), the root reduces straight into its output and leaves
+receive their chunks where they stay. Bytes (cost.py) and results are the same for any
+chunking, because each element's reduction order is fixed by the tree.
 
 Reduction order (deterministic, the same on every backend): in tree t a rank combines
 (left subtree's partial (op) its own half) (op) right subtree's partial, so half 0 is reduced
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cost import double_tree_links
+from .cost import chunk_spans, double_tree_links
 from .ops import combine, finalize
 
 LEAF, INTERIOR, ROOT = 0, 1, 2
@@ -61,38 +62,50 @@ def schedule(rank: int, p: int) -> list[tuple[str, int]]:
     return [("up", t) for t in ups] + [("down", t) for t in reversed(ups)]
 
 
-def _up(comm, half: np.ndarray, op: str, parent, left, right):
-    """Reduce `half` over this rank's subtree; send it to the parent (None) or return it (root)."""
-    part = half
-    if left is not None:
-        got = comm.recv(left, shape=half.shape, dtype=half.dtype)  # we own `got`
-        part = combine(op, got, half)  # left (op) own
-    if right is not None:
-        part = half.copy() if part is half else part
-        combine(op, part, comm.recv(right, shape=half.shape, dtype=half.dtype))  # (...) (op) right
-    if parent is None:
-        return half.copy() if part is half else part  # finalize writes into it
-    comm.send(part, parent)  # the receiver gets a copy
-    return None
+def _up(comm, half: np.ndarray, op: str, links, acc) -> None:
+    """Reduce `half` over this rank's subtree into `acc` (the root's output slice, else a
+    scratch half), chunk by chunk, each chunk sent on to the parent as soon as it is reduced.
+    A leaf sends its own chunks."""
+    parent, left, right = links
+    spans = chunk_spans(half.size, half.itemsize)
+    if left is None and right is None:
+        for a, b in spans:
+            comm.send_lent(half[a:b], parent)
+        return
+    tmp = None if right is None else np.empty(spans[0][1] - spans[0][0], half.dtype)
+    for a, b in spans:
+        part = acc[a:b]
+        if left is not None:
+            combine(op, comm.recv(left, out=part), half[a:b])  # left (op) own
+        else:
+            part[...] = half[a:b]
+        if right is not None:
+            combine(op, part, comm.recv(right, out=tmp[: b - a]))  # (...) (op) right
+        if parent is not None:
+            comm.send_lent(part, parent)
 
 
 def all_reduce(comm, x: np.ndarray, op: str) -> np.ndarray:
     """x: (N,) contiguous, never written. Every rank gets the (N,) reduction, a new array."""
     p, r = comm.size, comm.rank
-    halves = np.array_split(x, 2)  # views: (ceil(N/2),), (floor(N/2),)
+    h = x.size - x.size // 2  # np.array_split(x, 2): (ceil(N/2),), (floor(N/2),)
+    halves = (x[:h], x[h:])  # views
     out = np.empty_like(x)  # (N,)
-    outs = np.array_split(out, 2)  # views into out, one per tree
-    reduced = [None, None]  # the root's reduction of half t
+    outs = (out[:h], out[h:])  # views into out, one per tree
     for step, t in schedule(r, p):
-        parent, left, right = double_tree_links(r, p, t)
-        if step == "up":
-            reduced[t] = _up(comm, halves[t], op, parent, left, right)
+        links = double_tree_links(r, p, t)
+        parent, left, right = links
+        if step == "up":  # the root reduces straight into its output
+            leaf = left is None and right is None
+            acc = outs[t] if parent is None else None if leaf else np.empty_like(halves[t])
+            _up(comm, halves[t], op, links, acc)
             continue
         if parent is None:
-            outs[t][...] = finalize(op, reduced[t], p)
-        else:
-            comm.recv(parent, out=outs[t])
-        for child in (left, right):  # the left subtree is never shallower than the right
-            if child is not None:
-                comm.send(outs[t], child)
+            finalize(op, outs[t], p)
+        for a, b in chunk_spans(outs[t].size, x.itemsize):
+            if parent is not None:
+                comm.recv(parent, out=outs[t][a:b])
+            for child in (left, right):  # the left subtree is never shallower than the right
+                if child is not None:
+                    comm.send_lent(outs[t][a:b], child)
     return out

@@ -8,14 +8,25 @@ wire, but every hop adds in float32 and rounds the partial back to bfloat16, as 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 OPS = ("sum", "avg", "max", "min")
 _UFUNC = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
 
 
-def is_bf16(dtype) -> bool:
+@functools.lru_cache(maxsize=256)
+def _bf16(dtype) -> bool:
     return np.dtype(dtype).name == "bfloat16"
+
+
+def is_bf16(dtype) -> bool:
+    """Cached per dtype: np.dtype.name is computed in Python, several us per call."""
+    try:
+        return _bf16(dtype)
+    except TypeError:  # an unhashable dtype-like
+        return np.dtype(dtype).name == "bfloat16"
 
 
 def check_dtype(dtype, what: str) -> np.dtype:

@@ -27,11 +27,16 @@ def reduce_scatter(comm, x: np.ndarray, counts, op: str) -> np.ndarray:
         return x.copy()
     off = offsets(counts)
     dst, src = (r + 1) % p, (r - 1) % p
+    # Two receive buffers, used in turn: step s receives into one while it sends the other's
+    # partial (step s-1's, complete once that step returned), so p-1 steps allocate two.
+    big = max(counts)
+    bufs = [np.empty(big, x.dtype) for _ in range(min(p - 1, 2))]
     acc = None  # the partial received last step: it is the one we forward next
     for s in range(p - 1):
         cs, cr = (r - s - 1) % p, (r - s - 2) % p
         send = x[off[cs] : off[cs + 1]] if s == 0 else acc
-        got = exchange(comm, send if counts[cs] else None, dst, src, counts[cr], x.dtype)
+        into = bufs[s % 2][: counts[cr]]
+        got = exchange(comm, send if counts[cs] else None, dst, src, counts[cr], x.dtype, into)
         acc = combine(op, got, x[off[cr] : off[cr + 1]])  # (counts[cr],) we own `got`
     return acc
 

@@ -6,15 +6,22 @@ L = ceil(log2 p), so a small message needs 2L steps instead of the ring's 2(p-1)
 The binomial tree sends the whole array on each edge, and its root moves L S each way;
 double_tree.py (NCCL's double binary tree) splits it in halves over two complementary trees.
 
+Pipelined: the array travels in chunks of at most cost.TREE_CHUNK bytes (cost.chunk_spans), each
+reduced and forwarded as soon as it is in, so the levels overlap as in NCCL's trees; sends go
+out without an eager copy (`send_lent`: the buffers stay unwritten until the collective ends)
+and each chunk is received where it is reduced. The bytes per edge, and so every count in
+cost.py, are those of the unchunked tree.
+
 Reduction order (deterministic): v's partial = x[v] (op) partial(v+1) (op) partial(v+2) (op)
-partial(v+4) ... (children nearest first). Byte counts: collectives/cost.py.
+partial(v+4) ... (children nearest first), elementwise, whatever the chunking.
+Byte counts: collectives/cost.py.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .cost import tree_children, tree_parent
+from .cost import chunk_spans, tree_children, tree_parent
 from .ops import combine, finalize
 
 
@@ -22,33 +29,43 @@ def reduce(comm, x: np.ndarray, op: str, root: int = 0):
     """x: (N,) contiguous, never written. The (N,) reduction on root (new array), else None."""
     p, r = comm.size, comm.rank
     v = (r - root) % p
-    acc = None
-    for c in tree_children(v, p):
-        got = comm.recv((c + root) % p, shape=x.shape, dtype=x.dtype)  # we own `got`
-        # acc <- x (op) got on the first child, then acc (op) got; ops commute bitwise.
-        acc = combine(op, got, x) if acc is None else combine(op, acc, got)
-    if acc is None:
-        acc = x
-    if v:
-        comm.send(acc, (tree_parent(v) + root) % p)  # the receiver gets a copy
-        return None
-    return acc.copy() if acc is x else acc
+    kids = [(c + root) % p for c in tree_children(v, p)]
+    parent = (tree_parent(v) + root) % p
+    spans = chunk_spans(x.size, x.itemsize)
+    if not kids:  # a leaf (or p = 1): its own chunks go up as they are
+        for a, b in spans if v else ():
+            comm.send_lent(x[a:b], parent)
+        return None if v else x.copy()
+    acc = np.empty_like(x)  # (N,) the partial, chunk by chunk: received into, then reduced
+    tmp = np.empty(spans[0][1] - spans[0][0], x.dtype) if len(kids) > 1 else None
+    for a, b in spans:
+        part = comm.recv(kids[0], out=acc[a:b])
+        combine(op, part, x[a:b])  # child (op) own; ops commute bitwise
+        for c in kids[1:]:
+            combine(op, part, comm.recv(c, out=tmp[: b - a]))  # (...) (op) next child
+        if v:
+            comm.send_lent(part, parent)
+    return None if v else acc
 
 
-def broadcast(comm, x: np.ndarray, root: int = 0) -> np.ndarray:
-    """x: (N,) on every rank (its content matters on root only). Returns root's x, new array."""
+def broadcast(comm, x: np.ndarray, root: int = 0, owned: bool = False) -> np.ndarray:
+    """x: (N,) on every rank (its content matters on root only). Returns root's x, new array
+    (on the root, x itself when `owned`: the caller's own buffer)."""
     p, r = comm.size, comm.rank
     v = (r - root) % p
-    buf = (
-        x.copy() if v == 0 else comm.recv((tree_parent(v) + root) % p, shape=x.shape, dtype=x.dtype)
-    )
-    for c in reversed(tree_children(v, p)):  # farthest subtree first: it is the deepest
-        comm.send(buf, (c + root) % p)
+    kids = [(c + root) % p for c in reversed(tree_children(v, p))]  # deepest subtree first
+    buf = (x if owned else x.copy()) if v == 0 else np.empty_like(x)
+    parent = (tree_parent(v) + root) % p
+    for a, b in chunk_spans(x.size, x.itemsize):
+        if v:
+            comm.recv(parent, out=buf[a:b])
+        for c in kids:
+            comm.send_lent(buf[a:b], c)
     return buf
 
 
 def all_reduce(comm, x: np.ndarray, op: str) -> np.ndarray:
     acc = reduce(comm, x, op, root=0)
-    if acc is not None:
-        finalize(op, acc, comm.size)
-    return broadcast(comm, x if acc is None else acc, root=0)
+    if acc is None:
+        return broadcast(comm, x, root=0)
+    return broadcast(comm, finalize(op, acc, comm.size), root=0, owned=True)

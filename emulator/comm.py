@@ -25,6 +25,7 @@ training job's traffic.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 
@@ -89,6 +90,11 @@ class Comm:
         self._post(array, dst, -1 if call is None else call.seq)
         self._record("send", dst, array.nbytes)
 
+    def send_lent(self, array, dst: int) -> None:
+        """`send` for a collective that leaves `array` unwritten until it ends: a backend may
+        skip the eager copy (MPI does, and waits for the send at the collective's end)."""
+        self.send(array, dst)
+
     def recv(self, src: int, out=None, shape=None, dtype=None):
         """Receive the next message from group rank `src`; returns it (in `out` if given)."""
         if type(src) is not int or not 0 <= src < self.world_size or src == self.rank:
@@ -136,7 +142,7 @@ class Comm:
             algorithm=algorithm,
             group=self.name,
             shape=() if a is None else tuple(a.shape),
-            dtype="-" if a is None else str(a.dtype),
+            dtype="-" if a is None else _dtype_name(a.dtype),
             extra=extra,
         )
         st.calls.append(call)
@@ -145,7 +151,11 @@ class Comm:
         st.progress += 1
         try:
             self._check(call)
-            yield
+            try:
+                yield
+            except BaseException as exc:
+                self._failed_call(call, exc)  # a backend may name a better cause, else re-raised
+                raise
             self._end_call(call)  # only after a clean exit: a failing body is reported as is
         finally:
             st.depth = 0
@@ -263,6 +273,10 @@ class Comm:
         """The outermost collective `call` returned on this rank: a backend that can see
         messages of its channel still waiting here raises `UnreceivedMessage`."""
 
+    def _failed_call(self, call: Call, exc: BaseException) -> None:
+        """The outermost collective `call`'s body raised `exc` on this rank: a backend may
+        raise the error it explains instead (MPI: a collective mismatch its check shows)."""
+
     def _make_group(self, glob: tuple, name: str, key) -> Comm:
         raise NotImplementedError
 
@@ -272,6 +286,11 @@ class Comm:
 # equal to a cached one normalises to an equal (shape, dtype), so a hit gives the same result.
 _SENDABLE: set = set()
 _EXPECTED: dict = {}
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_name(dtype: np.dtype) -> str:
+    return str(dtype)  # computed in Python by NumPy: several us, once per call otherwise
 
 
 def _expected(out, shape, dtype):

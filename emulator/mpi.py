@@ -12,13 +12,15 @@ Channels: user point-to-point messages travel with MPI tag 0, a collective's mes
 control plane's tags 1 and 2. A user
 message carries a 64-byte prefix naming its dtype and shape (uncounted, like the checks), so a
 receive of the right byte count but another dtype or shape is an error naming both sides. A
-collective's messages carry none: the collective check already compared every rank's op,
-algorithm, shape and dtype before a byte moved (with `check=False` that guard is off).
+collective's messages carry none: the collective check compares every rank's op, algorithm,
+shape and dtype (its labels travel beside the data and are compared during the call's waits and
+before it returns; a size error or hang a differing call causes is reported as the mismatch; with
+`check=False` that guard is off). Collectives send their own buffers without the eager copy
+(`send_lent`), waited for at the call's end.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import math
@@ -29,11 +31,21 @@ import numpy as np
 
 from .comm import Call, CollectiveMismatch, Comm, CommError, RankState, _bind_state, _expected
 from .ledger import Ledger
-from .mpi_control import GROUP_TAG, OBJECTS, MPIWorld, exchange, gather, poll
+from .mpi_control import (
+    GROUP_TAG,
+    OBJECTS,
+    MPIWorld,
+    check_exchange,
+    exchange,
+    gather,
+    poll,
+    verify,
+)
 
 HEADER = 64  # bytes before a user point-to-point message's payload: "float64[2, 4]\0\0..."
 
 
+@functools.cache  # the module, once: a function-level import costs ~1 us a call
 def _mpi():
     try:
         from mpi4py import MPI
@@ -59,16 +71,34 @@ class MPIComm(Comm):
         self.mpi = self.ctrl = mpicomm  # one communicator; the planes differ by tag
         self.traffic = world.counts(key, name, self.ranks)
         self.tag_ub = _mpi().COMM_WORLD.Get_attr(_mpi().TAG_UB)
+        self.checking = None  # the open collective's check (mpi_control.Exchange) until verified
+        self.status = _mpi().Status()
+        self.others = {j: g for j, g in enumerate(self.ranks) if j != self.rank}  # -> world rank
 
-    def _wait(self, done, what: str) -> None:
-        poll(
-            done,
-            self.world.timeout,
-            lambda: (
-                f"rank {self.state.rank} waited {self.world.timeout:g} s {what} in group "
-                f"{self.name!r} (a hang: some rank skipped a call, exited or is stuck). Under "
-                f"MPI each rank reports its own flight recorder:\n  {self.state.flight()}"
-            ),
+    def _wait(self, done, what: str, *args) -> None:
+        """Poll done() with the deadline; `what % args` says what we waited for (formatted
+        only for the timeout's message: most waits end at the first poll)."""
+        if done():  # the common case: already there, no closures
+            return
+
+        def ready() -> bool:  # a wait inside a collective also advances its check
+            if done():
+                return True
+            if self.checking is not None and self.checking.progress():
+                self._verified()
+            return False
+
+        report = lambda: self._hang(what % args if args else what)
+        poll(ready, self.world.timeout, report, self.world.spin)
+
+    def _hang(self, what: str) -> str:
+        chk = self.checking
+        if chk is not None and not chk.progress():  # the likelier cause: name who never came
+            return chk.report(f"to check collective {chk.label} against the other ranks")
+        return (
+            f"rank {self.state.rank} waited {self.world.timeout:g} s {what} in group "
+            f"{self.name!r} (a hang: some rank skipped a call, exited or is stuck). Under "
+            f"MPI each rank reports its own flight recorder:\n  {self.state.flight()}"
         )
 
     def _tag(self, channel: int) -> int:
@@ -138,16 +168,15 @@ class MPIComm(Comm):
     def _complete(self, req, src: int, out, send_req=None, dst: int = -1) -> None:
         """Wait for a posted receive (and our send to dst); check the message's size."""
         MPI = _mpi()
-        status = MPI.Status()
-        peer = self.ranks[src]
+        status = self.status
         try:
-            self._wait(lambda: req.Test(status), f"to receive from rank {peer}")
+            self._wait(lambda: req.Test(status), "to receive from rank %d", self.ranks[src])
         except MPI.Exception as exc:  # a larger message than expected: MPI_ERR_TRUNCATE
             raise self._size_error(src, out, f"more than {out.nbytes}") from exc
         if status.Get_count(MPI.BYTE) != out.nbytes:
             raise self._size_error(src, out, str(status.Get_count(MPI.BYTE)))
         if send_req is not None:
-            self._wait(send_req.Test, f"for rank {self.ranks[dst]} to take our message")
+            self._wait(send_req.Test, "for rank %d to take our message", self.ranks[dst])
 
     def _size_error(self, src: int, out, got: str) -> CommError:
         return CommError(
@@ -179,14 +208,31 @@ class MPIComm(Comm):
         self._record("recv", src, out.nbytes)
         return out
 
-    @contextlib.contextmanager
-    def collective(self, op: str, algorithm: str = "", array=None, extra: str = ""):
-        outer = self.state.depth == 0
-        with super().collective(op, algorithm, array, extra):
-            call = self.state.current
-            yield
-            if outer:
-                self._leftover(call)
+    def send_lent(self, array, dst: int) -> None:
+        """`send` without the eager copy: the collective that calls it leaves `array` unwritten
+        until it ends, and its end waits for the send (same bytes, same records)."""
+        array = self._as_message(array, "send")
+        self._peer(dst, "send to")
+        buf = np.ascontiguousarray(array).reshape(-1).view(np.uint8)  # a view: no copy
+        req = self.mpi.Isend(buf, dest=dst, tag=self._tag(self._channel()))
+        self.world.lent.append((req, buf, self.ranks[dst]))  # the world's: any group's call
+        self.traffic.sent_n[dst] += 1
+        self.traffic.sent_b[dst] += array.nbytes
+        self._record("send", dst, array.nbytes)
+
+    def _end_call(self, call: Call) -> None:
+        # The checks of a clean end, in order: the labels (a mismatch explains everything
+        # else), our sends without a copy taken, no message of this call left unreceived.
+        self._verify_check()
+        lent = self.world.lent
+        if lent:
+            for req, _, peer in lent:
+                self._wait(req.Test, "for rank %d to take our message", peer)
+            lent.clear()
+        self._leftover(call)
+
+    def _failed_call(self, call: Call, exc: BaseException) -> None:
+        self._settle(exc)
 
     def _leftover(self, call: Call) -> None:
         # A message of this collective that no receive took (one already here; a later one is
@@ -203,12 +249,46 @@ class MPIComm(Comm):
             )
 
     # -- control plane ----------------------------------------------------------------------------
+    # The collective check: every rank sends its call's label to every other rank when the call
+    # opens and goes straight on to the data plane; the labels are compared as soon as they are
+    # in (the data plane's waits advance them) and at the latest at the call's end, before it
+    # returns. A mismatch is thus named on every rank, as before, without a round trip of its
+    # own: a differing call that makes the data plane fail first (a message of another size)
+    # or wait (one that never comes) is reported as the mismatch it is (`_settle`, `_hang`).
     def _check(self, call: Call) -> None:
-        if self.world.check:
-            label = call.describe()
-            gather(self, label, b"", f"to check collective {label} against the other ranks")
+        if self.world.check and self.world_size > 1:
+            self.checking = check_exchange(self, call.describe())
+
+    def _verified(self) -> None:
+        chk, self.checking = self.checking, None
+        verify(self, chk.label, chk.got)
+
+    def _verify_check(self, timeout: float | None = None) -> None:
+        chk = self.checking
+        if chk is not None:
+            chk.wait(f"to check collective {chk.label} against the other ranks", timeout)
+            self._verified()
+
+    def _settle(self, exc: BaseException) -> None:
+        """The body of a checked collective failed: if the other ranks' labels (most often
+        already here) show a different call, that mismatch is the error; else `exc` stands."""
+        w = self.world
+        w.pending.extend((req, buf) for req, buf, _ in w.lent)  # buffers alive until sent
+        w.lent.clear()
+        if self.checking is None or isinstance(exc, CollectiveMismatch):
+            self.checking = None
+            return
+        try:
+            self._verify_check(timeout=min(self.world.timeout, 2.0))
+        except CollectiveMismatch as mismatch:
+            raise mismatch from exc
+        except CommError:  # the labels never came: the original error says more
+            pass
+        finally:
+            self.checking = None
 
     def allgather_object(self, obj) -> list:
+        self._verify_check()  # called inside a collective: its check's labels come first
         every = gather(self, OBJECTS, pickle.dumps(obj), "in a control-plane gather")
         return [pickle.loads(b) for b in every]
 

@@ -12,7 +12,8 @@ to every other rank of the exchange and receives theirs, so each rank sees every
 reach the same verdict: equal labels pass, any difference is a `CollectiveMismatch` naming both
 ranks and both labels - a control-plane call against a counted collective included. A wait that
 expires names the ranks whose messages never came. Cost: p-1 small messages per rank per exchange
-(a 2-rank collective check measured 6 us against 9 us for an Iallgather of 16 bytes).
+(a 2-rank collective check measured 6 us against 9 us for an Iallgather of 16 bytes). A
+collective's check is an `Exchange` left in flight while the data moves (`emulator.mpi`).
 
 `MPIWorld` counts each group's messages and bytes per peer (payload bytes, as the ledger); at the
 end of a run `finish` exchanges the counts, and a message sent but never received is an error
@@ -21,6 +22,7 @@ naming sender, receiver and size.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import time
@@ -29,29 +31,41 @@ import numpy as np
 
 from .comm import CollectiveMismatch, CommError, CommTimeout, mismatch_message
 
+EAGER = 1024  # bytes: a control message this short (below the eager limits of MPICH and Open
+# MPI shared memory, 4 KiB) has fully arrived once probed, so Exchange receives it outright
 CTRL_TAG = 1  # a group's own control exchanges (collective checks, object gathers, the end)
 GROUP_TAG = 2  # group-membership checks, on the parent group's communicator
 OBJECTS = "a control-plane object gather (allgather_object / gather_object / barrier())"
+SPIN = 5e-5  # seconds of bare polling before a wait yields its core, when ranks <= cores (poll)
 END = "the end-of-run check (its program returned; launch's final handshake)"
 
 
+@functools.cache
 def _mpi():
     from mpi4py import MPI
 
     return MPI
 
 
-def poll(done, timeout: float, report) -> None:
+def poll(done, timeout: float, report, spin: float = 0.0) -> None:
     """Wait until done() is true, at most `timeout` s; then raise CommTimeout(report()).
 
-    Polls give the core away: ranks often outnumber cores (4 ranks on a 2-core laptop), and a
-    spinning rank would starve the peer it waits for. sched_yield returns at once when nothing
-    else is runnable; after 50 ms we sleep between polls so a long wait does not burn a core.
+    Three phases. First `spin` s of bare polls (MPIWorld.spin: SPIN when every rank has a core
+    of its own, else 0): a peer that answers within microseconds (the common case of a
+    collective's step) is seen at once, as MPI's own blocking calls spin. Then polls that give
+    the core away: ranks often outnumber cores (4 ranks on a 2-core laptop), and a spinning
+    rank would starve the peer it waits for; sched_yield returns at once when nothing else is
+    runnable. After 50 ms we sleep between polls so a long wait does not burn a core.
     """
+    if done():
+        return
     start = time.monotonic()
     deadline = start + timeout
+    spin = start + spin
     while not done():
         now = time.monotonic()
+        if now < spin:
+            continue
         if now > deadline:
             raise CommTimeout(report())
         if now - start < 0.05:
@@ -60,41 +74,62 @@ def poll(done, timeout: float, report) -> None:
             time.sleep(2e-4)
 
 
-def exchange(comm, mpicomm, peers: dict, label: str, payload: bytes, tag: int, what: str) -> dict:
-    """Send (label, payload) to every peer and receive theirs: {peer: (label, payload)}.
+class Exchange:
+    """One labelled exchange in flight: our (label, payload) posted to every peer, theirs
+    received as they come. `progress()` advances it without blocking and says whether every
+    peer's message is in; `wait(what)` blocks (with the deadline) until then. `peers` maps each
+    other rank's index in `mpicomm` to its world rank (for messages); `comm` is the MPIComm on
+    whose behalf we wait (its timeout, rank and flight recorder)."""
 
-    `peers` maps each other rank's index in `mpicomm` to its world rank (for messages). `comm` is
-    the MPIComm on whose behalf we wait (its timeout, rank and flight recorder).
-    """
-    MPI = _mpi()
-    text = label.encode()
-    msg = np.frombuffer(len(text).to_bytes(8, "little") + text + payload, np.uint8)
-    pending = comm.world.pending
-    for p in peers:
-        pending.append((mpicomm.Isend(msg, dest=p, tag=tag), msg))
-    comm.world.prune()
-    got: dict = {}
-    probing = dict(peers)
-    receiving: list = []
-    status = MPI.Status()
+    __slots__ = ("comm", "got", "label", "mpicomm", "payload", "peers", "probing", "raw",
+                 "receiving", "status", "tag")  # fmt: skip
 
-    def done() -> bool:
-        for p in list(probing):
-            m = mpicomm.Improbe(source=p, tag=tag, status=status)
-            if m is not None:
-                buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
-                receiving.append((p, m.Irecv(buf), buf))
-                del probing[p]
-        for item in list(receiving):
+    def __init__(self, comm, mpicomm, peers: dict, label: str, payload: bytes, tag: int):
+        text = label.encode()
+        raw = len(text).to_bytes(8, "little") + text + payload  # bytes: MPI sends them as they are
+        pending = comm.world.pending
+        for p in peers:
+            pending.append((mpicomm.Isend(raw, dest=p, tag=tag), raw))
+        comm.world.prune()
+        self.comm, self.mpicomm, self.peers, self.label = comm, mpicomm, peers, label
+        self.raw, self.payload = raw, payload
+        self.got: dict = {}
+        self.probing, self.tag = set(peers), tag
+        self.receiving: list = []
+        self.status = _mpi().Status()
+
+    def progress(self) -> bool:
+        if self.probing:
+            status, mpicomm = self.status, self.mpicomm
+            for p in list(self.probing):
+                m = mpicomm.Improbe(source=p, tag=self.tag, status=status)
+                if m is None:
+                    continue
+                self.probing.discard(p)
+                buf = np.empty(status.Get_count(_mpi().BYTE), np.uint8)
+                if buf.size <= EAGER:  # a short message is all here once matched: take it now
+                    m.Recv(buf)
+                    self._took(p, buf)
+                else:  # a long one may still be in transfer: a request, tested with the deadline
+                    self.receiving.append((p, m.Irecv(buf), buf))
+        for item in list(self.receiving):
             p, req, buf = item
             if req.Test():
-                n = int.from_bytes(buf[:8].tobytes(), "little")
-                got[p] = (buf[8 : 8 + n].tobytes().decode(), buf[8 + n :].tobytes())
-                receiving.remove(item)
-        return not probing and not receiving
+                self._took(p, buf)
+                self.receiving.remove(item)
+        return not self.probing and not self.receiving
 
-    def report() -> str:
-        missing = sorted(peers[p] for p in peers if p not in got)
+    def _took(self, p: int, buf) -> None:
+        raw = buf.tobytes()
+        if raw == self.raw:  # the same call (the common case): nothing to decode
+            self.got[p] = (self.label, self.payload)
+            return
+        n = int.from_bytes(raw[:8], "little")
+        self.got[p] = (raw[8 : 8 + n].decode(), raw[8 + n :])
+
+    def report(self, what: str) -> str:
+        comm = self.comm
+        missing = sorted(self.peers[p] for p in self.peers if p not in self.got)
         return (
             f"rank {comm.state.rank} waited {comm.world.timeout:g} s {what} in group "
             f"{comm.name!r}: rank(s) {missing} never arrived (they exited, are stuck, or called "
@@ -102,8 +137,29 @@ def exchange(comm, mpicomm, peers: dict, label: str, payload: bytes, tag: int, w
             f"{comm.state.flight()}"
         )
 
-    poll(done, comm.world.timeout, report)
-    return got
+    def wait(self, what: str, timeout: float | None = None) -> dict:
+        t = self.comm.world.timeout if timeout is None else timeout
+        poll(self.progress, t, lambda: self.report(what), self.comm.world.spin)
+        return self.got
+
+
+def exchange(comm, mpicomm, peers: dict, label: str, payload: bytes, tag: int, what: str) -> dict:
+    """Send (label, payload) to every peer and receive theirs: {peer: (label, payload)}."""
+    return Exchange(comm, mpicomm, peers, label, payload, tag).wait(what)
+
+
+def verify(comm, label: str, got: dict) -> None:
+    """Every peer's label in `got` must equal ours, else a CollectiveMismatch naming both."""
+    for j in sorted(got):
+        if got[j][0] != label:
+            mine, theirs = (comm.state.rank, label), (comm.ranks[j], got[j][0])
+            raise CollectiveMismatch(mismatch_message(comm.name, mine, theirs))
+
+
+def check_exchange(comm, label: str) -> Exchange:
+    """Start a collective's cross-rank check: its label to every other rank of `comm` (the
+    receiving side is completed by the data plane's waits and at the collective's end)."""
+    return Exchange(comm, comm.ctrl, comm.others, label, b"", CTRL_TAG)
 
 
 def gather(comm, label: str, payload: bytes, what: str) -> list:
@@ -111,11 +167,8 @@ def gather(comm, label: str, payload: bytes, what: str) -> list:
     label anywhere is a CollectiveMismatch on every rank. Returns the payloads in rank order."""
     peers = {j: comm.ranks[j] for j in range(comm.world_size) if j != comm.rank}
     got = exchange(comm, comm.ctrl, peers, label, payload, CTRL_TAG, what)
+    verify(comm, label, got)
     got[comm.rank] = (label, payload)
-    for j in range(comm.world_size):
-        if got[j][0] != label:
-            mine, theirs = (comm.state.rank, label), (comm.ranks[j], got[j][0])
-            raise CollectiveMismatch(mismatch_message(comm.name, mine, theirs))
     return [got[j][1] for j in range(comm.world_size)]
 
 
@@ -135,8 +188,11 @@ class MPIWorld:
         self.timeout = float(timeout)
         self.check = check
         self.pending: list = []  # (request, buffer): eager sends not yet known complete
+        self.lent: list = []  # (request, buffer, peer): the open collective's uncopied sends
         self.traffic: dict = {}  # group key -> Traffic
         self.live_groups = 0
+        ranks = _mpi().COMM_WORLD.Get_size()
+        self.spin = SPIN if ranks <= len(os.sched_getaffinity(0)) else 0.0  # see poll
 
     def counts(self, key, name: str, ranks: tuple) -> Traffic:
         t = self.traffic.get(key)

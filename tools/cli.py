@@ -29,6 +29,7 @@ BENCHES = {
     "dryrun": "benchmarks.dryrun",
     "ranks": "benchmarks.ranks",
     "messages": "benchmarks.messages",
+    "ddp": "benchmarks.ddp",
 }
 
 

@@ -26,7 +26,8 @@ TIMEOUT = 2.0  # seconds: for the cases that end in a timeout (its text names wh
 # Cases that end in a mismatch or a count at once get a generous timeout: a loaded machine must
 # not turn their named error into a timeout.
 GENEROUS = 30.0
-PROMPT = {"group_order", "mesh_swap", "stray", "barrier_vs_barrier", "objects_vs_all_reduce"}
+PROMPT = {"group_order", "mesh_swap", "stray", "barrier_vs_barrier", "objects_vs_all_reduce",
+          "ring_vs_tree"}  # fmt: skip
 
 
 def group_order(comm):  # rank 0 lists the members in reverse
@@ -94,6 +95,10 @@ def objects_vs_all_reduce(comm):
     comm.allgather_object(comm.rank) if comm.rank == 0 else C.all_reduce(comm, np.ones(3))
 
 
+def ring_vs_tree(comm):  # the same all-reduce, rank 0 by ring: its data is the first to differ
+    C.all_reduce(comm, np.ones(1000), algorithm="ring" if comm.rank == 0 else "tree")
+
+
 def hard_exit(comm):  # rank 1 leaves without a word, after a collective; the others go on
     C.all_reduce(comm, np.ones(3))
     if comm.rank == 1:
@@ -119,6 +124,7 @@ def many_groups(comm):  # 5,000 group creations (each freed when the next replac
 CASES = {f.__name__: f for f in (
     group_order, group_members, group_skip, mesh_swap, recv_dtype, recv_shape, stray,
     stray_in_collective, barrier_vs_barrier, objects_vs_all_reduce, hard_exit, killed, many_groups,
+    ring_vs_tree,
 )}  # fmt: skip
 
 
