@@ -92,6 +92,13 @@ def test_ep_layouts_padded_to_capacity_dry_real_and_formulas(lay, K, cf):
     assert_all_equal(cfg_of(4, K=K, cf=cf), lay, B=lay.dp * lay.microbatches * 2, S=4)
 
 
+CP_EP = {"dp": 2, "cp": 2, "ep": 2, "dispatch": "padded"}
+CP_EP_ZERO3 = Layout(**CP_EP, zero=3, cp_method="all-gather", cp_balance="contiguous",
+                     recompute="full")  # fmt: skip
+CP_EP_TP_SP = Layout(**CP_EP, tp=2, zero=1, cp_method="ulysses", sequence_parallel=True,
+                     dtype="mixed")  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "lay, experts, S",
     [
@@ -103,35 +110,8 @@ def test_ep_layouts_padded_to_capacity_dry_real_and_formulas(lay, K, cf):
         (Layout(dp=4, ep=2, zero=3, prefetch=True, dispatch="padded"), 4, 4),
         (Layout(dp=2, ep=2, pp=2, zero=2, microbatches=2, dispatch="padded"), 4, 4),
         (Layout(dp=2, cp=2, ep=2, dispatch="padded", cp_method="ring"), 4, 8),
-        (
-            Layout(
-                dp=2,
-                cp=2,
-                ep=2,
-                zero=3,
-                dispatch="padded",
-                cp_method="all-gather",
-                cp_balance="contiguous",
-                recompute="full",
-            ),
-            4,
-            8,
-        ),
-        (
-            Layout(
-                dp=2,
-                cp=2,
-                ep=2,
-                tp=2,
-                zero=1,
-                dispatch="padded",
-                cp_method="ulysses",
-                sequence_parallel=True,
-                dtype="mixed",
-            ),
-            4,
-            8,
-        ),
+        (CP_EP_ZERO3, 4, 8),
+        (CP_EP_TP_SP, 4, 8),
     ],
     ids=str,
 )
