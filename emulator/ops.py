@@ -26,7 +26,8 @@ def embedding_forward(tokens, tok, pos, positions=None):
     position of each column (context parallelism holds a subsequence); None = 0..S-1."""
     S = tokens.shape[1]
     rows = pos[:S] if positions is None else pos[positions]  # (S, H)
-    x = up(tok[tokens]) + up(rows)  # (B, S, H)
+    x = up(tok[tokens])  # (B, S, H), a fresh gather (a copy for bf16): the sum goes in place
+    x += up(rows)
     return down(x, tok.dtype), (tokens, tok.shape, pos.shape, tok.dtype, positions)
 
 
@@ -67,10 +68,11 @@ def layernorm_forward(x, gain, bias, eps):
     """x (..., H) -> y (..., H). Statistics in the arithmetic dtype (fp32 for bf16)."""
     c = up(x)
     xc = c - c.mean(axis=-1, keepdims=True)
-    rstd = 1.0 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)  # (..., 1)
-    xhat = xc * rstd
-    y = xhat * up(gain)
-    y += up(bias)  # in place: the same sum without a third (..., H) temporary
+    sq = np.multiply(xc, xc)  # (..., H), later y's buffer
+    rstd = 1.0 / np.sqrt(sq.mean(axis=-1, keepdims=True) + eps)  # (..., 1)
+    xhat = np.multiply(xc, rstd, out=xc)  # two (..., H) buffers in all, y and xhat
+    y = np.multiply(xhat, up(gain), out=sq)
+    y += up(bias)
     return down(y, x.dtype), (down(xhat, x.dtype), rstd, gain)
 
 
@@ -79,14 +81,14 @@ def layernorm_backward(dy, cache):
     xhat_s, rstd, gain = cache
     d, xhat = up(dy), up(xhat_s)
     H = d.shape[-1]
-    dgain = (d * xhat).reshape(-1, H).sum(axis=0)
+    tmp = np.multiply(d, xhat)  # (..., H), the one temporary: d xhat, dxhat xhat, xhat proj
+    dgain = tmp.reshape(-1, H).sum(axis=0)
     dbias = d.reshape(-1, H).sum(axis=0)
-    dxhat = d * up(gain)
-    # rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), the same operations in the same
-    # order, in place in one (..., H) buffer instead of four temporaries
-    proj = (dxhat * xhat).mean(axis=-1, keepdims=True)
-    dx = dxhat - dxhat.mean(axis=-1, keepdims=True)
-    dx -= xhat * proj
+    dx = np.multiply(d, up(gain))  # dxhat, becomes dx in place
+    # rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)): the same operations in the same order
+    proj = np.multiply(dx, xhat, out=tmp).mean(axis=-1, keepdims=True)
+    dx -= dx.mean(axis=-1, keepdims=True)
+    dx -= np.multiply(xhat, proj, out=tmp)
     dx *= rstd
     return down(dx, dy.dtype), down(dgain, gain.dtype), down(dbias, gain.dtype)
 
@@ -143,6 +145,16 @@ def _merge(t):
     return t.transpose(0, 2, 1, 3).reshape(B, S, A * D)  # (B, S, H)
 
 
+def _matmul_merged(a, b):
+    """a (B, A, S, X) @ b (B, A, X, D) -> (B, S, A*D): the GEMMs write straight into (B, S, A, D)
+    memory (ldc = A*D), which is _merge(a @ b) without the (B, A, S, D) temporary and its copy."""
+    B, A, S, _ = a.shape
+    D = b.shape[-1]
+    out = np.empty((B, S, A, D), np.result_type(a, b))
+    np.matmul(a, b, out=out.transpose(0, 2, 1, 3))
+    return out.reshape(B, S, A * D)
+
+
 def _probs(q, k, A):
     """softmax(q k^T / sqrt(D)) with key j > query i masked; stored dtype = q's dtype."""
     qh, kh = _heads(q, A), _heads(k, A)
@@ -165,8 +177,8 @@ def attention_forward(q, k, v, n_heads, *, keep_probs=True):
     if q.shape[-1] % n_heads:
         raise ValueError(f"attention: H_local={q.shape[-1]} not divisible by n_heads={n_heads}")
     p = _probs(q, k, n_heads)  # (B, A, S, S)
-    o = up(p) @ _heads(v, n_heads)  # (B, A, S, D)
-    return down(_merge(o), q.dtype), (q, k, v, n_heads, p if keep_probs else None)
+    o = _matmul_merged(up(p), _heads(v, n_heads))  # (B, S, H_local)
+    return down(o, q.dtype), (q, k, v, n_heads, p if keep_probs else None)
 
 
 def attention_backward(do, cache):
@@ -176,40 +188,47 @@ def attention_backward(do, cache):
         p = _probs(q, k, A)  # the same code as the forward: bitwise the same probabilities
     p = up(p)
     doh, vh = _heads(do, A), _heads(v, A)
-    dv = p.transpose(0, 1, 3, 2) @ doh  # (B, A, S, D)
+    dv = _matmul_merged(p.transpose(0, 1, 3, 2), doh)  # (B, S, H_local)
     dp = doh @ vh.transpose(0, 1, 3, 2)  # (B, A, S, S)
     # softmax backward, ds = p (dp - sum(dp p)), in dp's buffer; masked p = 0
     dp -= (dp * p).sum(axis=-1, keepdims=True)
     ds = np.multiply(dp, p, out=dp)
     ds *= 1.0 / math.sqrt(doh.shape[-1])
-    dq = ds @ _heads(k, A)
-    dk = ds.transpose(0, 1, 3, 2) @ _heads(q, A)
+    dq = _matmul_merged(ds, _heads(k, A))
+    dk = _matmul_merged(ds.transpose(0, 1, 3, 2), _heads(q, A))
     dt = q.dtype
-    return down(_merge(dq), dt), down(_merge(dk), dt), down(_merge(dv), dt)
+    return down(dq, dt), down(dk, dt), down(dv, dt)
 
 
 # ---- softmax cross-entropy -----------------------------------------------------------------------
-def _log_softmax(logits):
+def _shifted(logits):
+    """z = logits - rowmax, (N, V) in the arithmetic dtype (a new array); log softmax is
+    z - log(sum(exp(z)))."""
     z = up(logits).reshape(-1, logits.shape[-1])  # (N, V)
-    z = z - z.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    return z - z.max(axis=-1, keepdims=True)
 
 
 def cross_entropy_sum_forward(logits, targets):
     """logits (..., V), targets (...) ints -> (sum of per-token losses, token count, cache).
 
-    The sum form lets data/pipeline layouts divide by a global token count.
+    The sum form lets data/pipeline layouts divide by a global token count. Only the targets'
+    log-probabilities z[t] - log(sum(exp(z))) are formed (each the same operations as in the
+    full (N, V) log softmax); exp(z) goes in z's buffer once z[t] is taken.
     """
-    logp = _log_softmax(logits)  # (N, V), arithmetic dtype
+    z = _shifted(logits)  # (N, V)
     t = targets.reshape(-1)
-    total = -logp[np.arange(t.size), t].sum()
+    zt = z[np.arange(t.size), t]  # (N,)
+    lse = np.log(np.exp(z, out=z).sum(axis=-1))  # (N,)
+    total = -(zt - lse).sum()
     return total, t.size, (logits, targets)
 
 
 def cross_entropy_sum_backward(dsum, cache):
     """-> dlogits = dsum * (softmax - onehot); the softmax is recomputed from the logits."""
     logits, targets = cache
-    g = np.exp(_log_softmax(logits))  # (N, V)
+    z = _shifted(logits)  # (N, V), then log softmax and softmax in place
+    z -= np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    g = np.exp(z, out=z)
     t = targets.reshape(-1)
     g[np.arange(t.size), t] -= 1.0
     g *= dsum

@@ -2,7 +2,7 @@
 
 python -m emulator run -n 16 examples/01_collectives.py [script args]   # 16 virtual ranks
 python -m emulator tour                                                  # every example, verdicts
-python -m emulator bench collectives | model | layouts | dryrun | ranks | messages  # tables
+python -m emulator bench collectives | model | layouts | dryrun | ranks | messages | torch  # tables
 python -m emulator plan memory | collective | bubble [flags]             # planning (planning/)
 python -m emulator dryrun --preset NAME --dp D --zero Z                  # shape-only run
 
@@ -29,6 +29,7 @@ BENCHES = {
     "dryrun": "benchmarks.dryrun",
     "ranks": "benchmarks.ranks",
     "messages": "benchmarks.messages",
+    "torch": "benchmarks.torch_peer_model",
 }
 
 
