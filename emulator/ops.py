@@ -15,9 +15,11 @@ import math
 
 import numpy as np
 
+from emulator import heap
 from emulator.precision import down, up
 
 GELU_C = math.sqrt(2.0 / math.pi)
+heap.keep_freed_memory()  # a step's activations reuse the last step's memory (emulator/heap.py)
 
 
 # ---- embedding: x = tok[tokens] + pos[:S] -------------------------------------------------------
