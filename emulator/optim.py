@@ -27,12 +27,21 @@ def adamw_update(p, g, m, v, step, *, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weig
     g = g.astype(p.dtype, copy=False)
     if weight_decay != 0.0:
         p *= 1.0 - lr * weight_decay  # decoupled weight decay (Loshchilov & Hutter 2019)
+    # the operations of m += (1 - b1) g; v += (1 - b2) g^2; p -= c1 (m / (sqrt(v) / c2 + eps))
+    # in this order, in one temporary t instead of eight (a scalar product commutes bitwise)
+    t = np.multiply(g, 1.0 - b1)
     m *= b1
-    m += (1.0 - b1) * g
+    m += t
+    np.multiply(g, g, out=t)
+    t *= 1.0 - b2
     v *= b2
-    v += (1.0 - b2) * (g * g)
-    denom = np.sqrt(v) / math.sqrt(1.0 - b2**step) + eps
-    p -= (lr / (1.0 - b1**step)) * (m / denom)
+    v += t
+    np.sqrt(v, out=t)
+    t /= math.sqrt(1.0 - b2**step)
+    t += eps
+    np.divide(m, t, out=t)
+    t *= lr / (1.0 - b1**step)
+    p -= t
 
 
 class AdamW:
