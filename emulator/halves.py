@@ -41,9 +41,11 @@ def enabled(size: int) -> bool:
 
 
 def in_halves(fn, *arrays) -> None:
-    """fn(*arrays) for an elementwise fn writing into some of the arrays (all the same shape)."""
+    """fn(*arrays) for a row-wise fn writing into some of the arrays: elementwise, or reducing
+    each row's last axis (a row's sum is the same whichever rows come with it). The arrays share
+    their leading shape (..., X), X may differ (e.g. a layernorm's (N, H) and (N, 1))."""
     a0 = arrays[0]
-    same = all(a.shape == a0.shape and a.flags.c_contiguous for a in arrays)
+    same = all(a.shape[:-1] == a0.shape[:-1] and a.flags.c_contiguous for a in arrays)
     if not (same and a0.ndim and enabled(a0.size)):
         fn(*arrays)
         return

@@ -11,6 +11,7 @@ backward needs; emulator/flops.py counts those bytes and the matmuls by formula.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -70,13 +71,25 @@ def linear_backward(dy, cache):
 def layernorm_forward(x, gain, bias, eps):
     """x (..., H) -> y (..., H). Statistics in the arithmetic dtype (fp32 for bf16)."""
     c = up(x)
-    xc = c - c.mean(axis=-1, keepdims=True)
-    sq = np.multiply(xc, xc)  # (..., H), later y's buffer
-    rstd = 1.0 / np.sqrt(sq.mean(axis=-1, keepdims=True) + eps)  # (..., 1)
-    xhat = np.multiply(xc, rstd, out=xc)  # two (..., H) buffers in all, y and xhat
-    y = np.multiply(xhat, up(gain), out=sq)
-    y += up(bias)
+    xhat, y = np.empty(c.shape, c.dtype), np.empty(c.shape, c.dtype)
+    rstd = np.empty((*c.shape[:-1], 1), c.dtype)
+    in_halves(functools.partial(_layernorm_into, gain=up(gain), bias=up(bias), eps=eps), c, xhat,
+              y, rstd)  # fmt: skip
     return down(y, x.dtype), (down(xhat, x.dtype), rstd, gain)
+
+
+def _layernorm_into(c, xhat, y, rstd, *, gain, bias, eps):
+    """Row-wise: xhat = (c - mean) rstd, rstd = 1 / sqrt(mean((c - mean)^2) + eps), y = xhat
+    gain + bias, in the two (..., H) output buffers (y holds the squares first)."""
+    np.subtract(c, c.mean(axis=-1, keepdims=True), out=xhat)
+    np.multiply(xhat, xhat, out=y)
+    r = y.mean(axis=-1, keepdims=True)  # (..., 1)
+    r += eps
+    np.sqrt(r, out=r)
+    np.divide(1.0, r, out=rstd)
+    xhat *= rstd
+    np.multiply(xhat, gain, out=y)
+    y += bias
 
 
 def layernorm_backward(dy, cache):

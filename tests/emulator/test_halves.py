@@ -64,3 +64,26 @@ def test_a_failing_half_raises(split_on):
 
     with pytest.raises(FloatingPointError, match="helper half"):
         halves.in_halves(fn, np.zeros((4, 1 << 16)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_split_layernorm_and_adamw_are_bitwise_the_one_call(split_on, monkeypatch, dtype):
+    from emulator.optim import adamw_update
+
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((7, 129, 300)) * 5 + 1).astype(dtype)
+    gain, bias = rng.standard_normal(300).astype(dtype), rng.standard_normal(300).astype(dtype)
+    p, g = (rng.standard_normal((515, 257)).astype(dtype) for _ in range(2))
+
+    def run():
+        y, (xhat, rstd, _) = ops.layernorm_forward(x, gain, bias, 1e-5)
+        pp, m, v = p.copy(), np.full_like(p, 0.1), np.full_like(p, 0.2)
+        for step in (1, 2):
+            adamw_update(pp, g, m, v, step, weight_decay=0.1)
+        return y, xhat, rstd, pp, m, v
+
+    got = run()
+    monkeypatch.setattr(halves, "enabled", lambda size: False)
+    want = run()
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype == dtype and a.tobytes() == b.tobytes()
