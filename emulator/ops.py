@@ -71,8 +71,8 @@ def linear_backward(dy, cache):
 def layernorm_forward(x, gain, bias, eps):
     """x (..., H) -> y (..., H). Statistics in the arithmetic dtype (fp32 for bf16)."""
     c = up(x)
-    xhat, y = np.empty(c.shape, c.dtype), np.empty(c.shape, c.dtype)
-    rstd = np.empty((*c.shape[:-1], 1), c.dtype)
+    xhat, y = np.empty_like(c), np.empty_like(c)  # _like: keeps an ndarray subclass flowing
+    rstd = np.empty_like(c, shape=(*c.shape[:-1], 1))
     in_halves(functools.partial(_layernorm_into, gain=up(gain), bias=up(bias), eps=eps), c, xhat,
               y, rstd)  # fmt: skip
     return down(y, x.dtype), (down(xhat, x.dtype), rstd, gain)
@@ -149,7 +149,7 @@ def _gelu_backward_into(c, dy, t, c2, d):
 
 def gelu_forward(z):
     c = up(z)
-    y = np.empty(c.shape, c.dtype)
+    y = np.empty_like(c)
     in_halves(_gelu_forward_into, c, y)
     return down(y, z.dtype), z
 
@@ -157,7 +157,7 @@ def gelu_forward(z):
 def gelu_backward(dy, z):
     """-> dz. The cache is z itself; tanh is recomputed (elementwise, cheap)."""
     c = up(z)
-    t, c2, d = (np.empty(c.shape, c.dtype) for _ in range(3))
+    t, c2, d = (np.empty_like(c) for _ in range(3))
     in_halves(_gelu_backward_into, c, up(dy), t, c2, d)
     return down(d, z.dtype)
 
@@ -178,7 +178,7 @@ def _matmul_merged(a, b):
     memory (ldc = A*D), which is _merge(a @ b) without the (B, A, S, D) temporary and its copy."""
     B, A, S, _ = a.shape
     D = b.shape[-1]
-    out = np.empty((B, S, A, D), np.result_type(a, b))
+    out = np.empty_like(a, dtype=np.result_type(a, b), order="C", shape=(B, S, A, D))
     np.matmul(a, b, out=out.transpose(0, 2, 1, 3))
     return out.reshape(B, S, A * D)
 

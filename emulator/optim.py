@@ -31,7 +31,7 @@ def adamw_update(p, g, m, v, step, *, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weig
         p *= 1.0 - lr * weight_decay  # decoupled weight decay (Loshchilov & Hutter 2019)
     step_size, bc2 = lr / (1.0 - b1**step), math.sqrt(1.0 - b2**step)
     fn = functools.partial(_moments_and_step, b1=b1, b2=b2, bc2=bc2, eps=eps, step_size=step_size)
-    in_halves(fn, p, g, m, v, np.empty(p.shape, p.dtype))  # two threads for large arrays
+    in_halves(fn, p, g, m, v, np.empty_like(p))  # two threads for large arrays
 
 
 def _moments_and_step(p, g, m, v, t, *, b1, b2, bc2, eps, step_size):
