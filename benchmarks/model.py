@@ -4,6 +4,7 @@ Shape: V=512, T=128, H=256, A=4, L=4, B=8, S=128 (about 3.5 M parameters), float
 Wired as ``python -m emulator bench model``; also ``python -m benchmarks.model``.
 
     python -m emulator bench model --against OLD/emulator/ops.py [--rounds 7]
+    python -m emulator bench model --digest      # bitwise fingerprints (benchmarks/model_digest.py)
 
 interleaves the step with this tree's ops and with another ops.py (e.g. `git show REV:emulator/
 ops.py > /tmp/ops_old.py`): each round times one step with each (A B, B A, A B ..., after a warm-up) and
@@ -139,7 +140,12 @@ def bench_model(argv=None) -> int:
     ap.add_argument("--against", default=None, help="another ops.py to interleave with")
     ap.add_argument("--rounds", type=cli.positive_int, default=7, help="with --against")
     ap.add_argument("--threads", type=cli.positive_int, default=1, help="BLAS, with --against")
+    ap.add_argument("--digest", action="store_true", help="print bitwise fingerprints, no timing")
     args = ap.parse_args(argv)
+    if args.digest:
+        from benchmarks import model_digest
+
+        return model_digest.main()
     if args.against and not os.path.isfile(args.against):
         ap.error(f"argument --against: {args.against!r} is not a file")
     print(blas_info())

@@ -12,6 +12,8 @@ All three run the same arithmetic in the same order, so the gradients are bitwis
 
 from __future__ import annotations
 
+import numpy as np
+
 from emulator.memory import saved_nbytes
 from emulator.moe import moe_backward, moe_forward
 from emulator.ops import (
@@ -24,11 +26,20 @@ from emulator.ops import (
     linear_backward,
     linear_forward,
 )
-from emulator.precision import add, down, up
+from emulator.precision import add, arith_dtype, down, up
 
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = (attention_forward, attention_backward)  # the single-rank core (default attention=)
 MOE = (moe_forward, moe_backward)  # the single-rank MoE block (the default of moe_fn=)
+
+
+def _add_into(x, y):
+    """add(x, y), written into y's buffer when no cast is involved: y must be a fresh result that
+    nothing else holds (a linear layer's output, a backward's dx). IEEE addition commutes, so
+    y + x is bitwise x + y; one (B, S, H) array fewer per residual."""
+    if x.dtype == y.dtype == arith_dtype(y.dtype) and x.shape == y.shape:
+        return np.add(y, x, out=y)
+    return add(x, y)
 
 
 def _forward(bp, x, cfg, groups, keep_probs, attention, moe_fn):
@@ -41,7 +52,7 @@ def _forward(bp, x, cfg, groups, keep_probs, attention, moe_fn):
     n_heads = cfg.n_heads * bp["attn.wq"].shape[1] // cfg.d_model  # fewer under tensor parallel
     o, c["attn"] = attention[0](q, k, v, n_heads, keep_probs=keep_probs)
     y, c["o"] = linear_forward(o, bp["attn.wo"], bp["attn.bo"])
-    x = add(x, y)
+    x = _add_into(x, y)  # y: the projection's fresh output
     m, c["ln2"] = layernorm_forward(x, bp["ln2.gain"], bp["ln2.bias"], cfg.ln_eps)
     if cfg.is_moe:
         mp = {n[4:]: bp[n] for n in ("moe.router", "moe.w1", "moe.b1", "moe.w2", "moe.b2")}
@@ -51,8 +62,8 @@ def _forward(bp, x, cfg, groups, keep_probs, attention, moe_fn):
         z, c["w1"] = linear_forward(m, bp["mlp.w1"], bp["mlp.b1"])  # (B, S, F)
         h, c["gelu"] = gelu_forward(z)
         y, c["w2"] = linear_forward(h, bp["mlp.w2"], bp["mlp.b2"])
-        aux = 0.0
-    return add(x, y), aux, c
+        return _add_into(x, y), 0.0, c
+    return add(x, y), aux, c  # an MoE block's y may be held by its cache (moe_fn's own)
 
 
 def block_forward(bp, x, cfg, *, recompute="none", groups=None, mem=None, name="block",
@@ -101,15 +112,19 @@ def block_backward(dx, cache, daux=None):
         dz = gelu_backward(dh, c["gelu"])
         dm, g["mlp.w1"], g["mlp.b1"] = linear_backward(dz, c["w1"])
     dln2, g["ln2.gain"], g["ln2.bias"] = layernorm_backward(dm, c["ln2"])
-    dx = add(dx, dln2)  # residual: the gradient reaches x both directly and through LN2
+    dx = _add_into(dx, dln2)  # residual: the gradient reaches x directly and through LN2
     do, g["attn.wo"], g["attn.bo"] = linear_backward(dx, c["o"])
     dq, dk, dv = cache["attention"][1](do, c["attn"])
     da_q, g["attn.wq"], g["attn.bq"] = linear_backward(dq, c["q"])
     da_k, g["attn.wk"], g["attn.bk"] = linear_backward(dk, c["k"])
     da_v, g["attn.wv"], g["attn.bv"] = linear_backward(dv, c["v"])
-    da = down(up(da_q) + up(da_k) + up(da_v), dx.dtype)
+    if da_q.dtype == arith_dtype(da_q.dtype):  # (da_q + da_k) + da_v in da_q's fresh buffer
+        da = np.add(da_q, da_k, out=da_q)
+        da += da_v
+    else:
+        da = down(up(da_q) + up(da_k) + up(da_v), dx.dtype)
     dln1, g["ln1.gain"], g["ln1.bias"] = layernorm_backward(da, c["ln1"])
-    dx = add(dx, dln1)
+    dx = _add_into(dx, dln1)
     if mem is not None:
         if cache["mode"] == "full":
             mem.free("activations", name + ".recomputed")

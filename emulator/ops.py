@@ -11,13 +11,17 @@ backward needs; emulator/flops.py counts those bytes and the matmuls by formula.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 
+from emulator import heap
+from emulator.halves import in_halves
 from emulator.precision import down, up
 
 GELU_C = math.sqrt(2.0 / math.pi)
+heap.keep_freed_memory()  # a step's activations reuse the last step's memory (emulator/heap.py)
 
 
 # ---- embedding: x = tok[tokens] + pos[:S] -------------------------------------------------------
@@ -26,7 +30,8 @@ def embedding_forward(tokens, tok, pos, positions=None):
     position of each column (context parallelism holds a subsequence); None = 0..S-1."""
     S = tokens.shape[1]
     rows = pos[:S] if positions is None else pos[positions]  # (S, H)
-    x = up(tok[tokens]) + up(rows)  # (B, S, H)
+    x = up(tok[tokens])  # (B, S, H), a fresh gather (a copy for bf16): the sum goes in place
+    x += up(rows)
     return down(x, tok.dtype), (tokens, tok.shape, pos.shape, tok.dtype, positions)
 
 
@@ -66,12 +71,25 @@ def linear_backward(dy, cache):
 def layernorm_forward(x, gain, bias, eps):
     """x (..., H) -> y (..., H). Statistics in the arithmetic dtype (fp32 for bf16)."""
     c = up(x)
-    xc = c - c.mean(axis=-1, keepdims=True)
-    rstd = 1.0 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)  # (..., 1)
-    xhat = xc * rstd
-    y = xhat * up(gain)
-    y += up(bias)  # in place: the same sum without a third (..., H) temporary
+    xhat, y = np.empty_like(c), np.empty_like(c)  # _like: keeps an ndarray subclass flowing
+    rstd = np.empty_like(c, shape=(*c.shape[:-1], 1))
+    in_halves(functools.partial(_layernorm_into, gain=up(gain), bias=up(bias), eps=eps), c, xhat,
+              y, rstd)  # fmt: skip
     return down(y, x.dtype), (down(xhat, x.dtype), rstd, gain)
+
+
+def _layernorm_into(c, xhat, y, rstd, *, gain, bias, eps):
+    """Row-wise: xhat = (c - mean) rstd, rstd = 1 / sqrt(mean((c - mean)^2) + eps), y = xhat
+    gain + bias, in the two (..., H) output buffers (y holds the squares first)."""
+    np.subtract(c, c.mean(axis=-1, keepdims=True), out=xhat)
+    np.multiply(xhat, xhat, out=y)
+    r = y.mean(axis=-1, keepdims=True)  # (..., 1)
+    r += eps
+    np.sqrt(r, out=r)
+    np.divide(1.0, r, out=rstd)
+    xhat *= rstd
+    np.multiply(xhat, gain, out=y)
+    y += bias
 
 
 def layernorm_backward(dy, cache):
@@ -79,46 +97,44 @@ def layernorm_backward(dy, cache):
     xhat_s, rstd, gain = cache
     d, xhat = up(dy), up(xhat_s)
     H = d.shape[-1]
-    dgain = (d * xhat).reshape(-1, H).sum(axis=0)
+    tmp = np.multiply(d, xhat)  # (..., H), the one temporary: d xhat, dxhat xhat, xhat proj
+    dgain = tmp.reshape(-1, H).sum(axis=0)
     dbias = d.reshape(-1, H).sum(axis=0)
-    dxhat = d * up(gain)
-    # rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), the same operations in the same
-    # order, in place in one (..., H) buffer instead of four temporaries
-    proj = (dxhat * xhat).mean(axis=-1, keepdims=True)
-    dx = dxhat - dxhat.mean(axis=-1, keepdims=True)
-    dx -= xhat * proj
+    dx = np.multiply(d, up(gain))  # dxhat, becomes dx in place
+    # rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)): the same operations in the same order
+    proj = np.multiply(dx, xhat, out=tmp).mean(axis=-1, keepdims=True)
+    dx -= dx.mean(axis=-1, keepdims=True)
+    dx -= np.multiply(xhat, proj, out=tmp)
     dx *= rstd
     return down(dx, dy.dtype), down(dgain, gain.dtype), down(dbias, gain.dtype)
 
 
 # ---- gelu, tanh approximation: 0.5 z (1 + tanh(c (z + 0.044715 z^3))) ----------------------------
-def _gelu_tanh(c, keep_c2=True):
-    """c (arithmetic dtype) -> (tanh(sqrt(2/pi) c (1 + 0.044715 c^2)), c^2 or None); in place,
-    no extra temporaries: GELU is a quarter of a training step's time in NumPy otherwise. The
-    forward does not need c^2 (keep_c2=False): t is built in its buffer, one temporary less."""
-    c2 = c * c
-    t = np.multiply(c2, 0.044715, out=c2) if not keep_c2 else c2 * 0.044715
-    t += 1.0
-    t *= c
-    t *= GELU_C
-    return np.tanh(t, out=t), (c2 if keep_c2 else None)
-
-
-def gelu_forward(z):
-    c = up(z)
-    y, _ = _gelu_tanh(c, keep_c2=False)
+# In place, no extra temporaries (GELU is a quarter of a training step's time in NumPy otherwise),
+# each chain a function of row-aligned buffers so that halves.in_halves can run it on two threads.
+def _gelu_forward_into(c, y):
+    """y = gelu(c): t = tanh(sqrt(2/pi) c (1 + 0.044715 c^2)) built in y, then 0.5 c (1 + t)."""
+    np.multiply(c, c, out=y)
+    y *= 0.044715
+    y += 1.0
+    y *= c
+    y *= GELU_C
+    np.tanh(y, out=y)
     y += 1.0
     y *= c
     y *= 0.5
-    return down(y, z.dtype), z
 
 
-def gelu_backward(dy, z):
-    """-> dz. The cache is z itself; tanh is recomputed (elementwise, cheap).
-    d gelu / dz = 0.5 (1 + t) + 0.5 z (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 z^2)."""
-    c = up(z)
-    t, c2 = _gelu_tanh(c)
-    d = t * t
+def _gelu_backward_into(c, dy, t, c2, d):
+    """d = dy * gelu'(c) = dy (0.5 (1 + t) + 0.5 c (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 c^2));
+    t and c2 are scratch buffers."""
+    np.multiply(c, c, out=c2)
+    np.multiply(c2, 0.044715, out=t)
+    t += 1.0
+    t *= c
+    t *= GELU_C
+    np.tanh(t, out=t)
+    np.multiply(t, t, out=d)
     np.subtract(1.0, d, out=d)
     d *= c
     c2 *= 3 * 0.044715
@@ -128,7 +144,21 @@ def gelu_backward(dy, z):
     t += 1.0
     t *= 0.5
     d += t
-    d *= up(dy)
+    d *= dy
+
+
+def gelu_forward(z):
+    c = up(z)
+    y = np.empty_like(c)
+    in_halves(_gelu_forward_into, c, y)
+    return down(y, z.dtype), z
+
+
+def gelu_backward(dy, z):
+    """-> dz. The cache is z itself; tanh is recomputed (elementwise, cheap)."""
+    c = up(z)
+    t, c2, d = (np.empty_like(c) for _ in range(3))
+    in_halves(_gelu_backward_into, c, up(dy), t, c2, d)
     return down(d, z.dtype)
 
 
@@ -141,6 +171,16 @@ def _heads(t, A):
 def _merge(t):
     B, A, S, D = t.shape
     return t.transpose(0, 2, 1, 3).reshape(B, S, A * D)  # (B, S, H)
+
+
+def _matmul_merged(a, b):
+    """a (B, A, S, X) @ b (B, A, X, D) -> (B, S, A*D): the GEMMs write straight into (B, S, A, D)
+    memory (ldc = A*D), which is _merge(a @ b) without the (B, A, S, D) temporary and its copy."""
+    B, A, S, _ = a.shape
+    D = b.shape[-1]
+    out = np.empty_like(a, dtype=np.result_type(a, b), order="C", shape=(B, S, A, D))
+    np.matmul(a, b, out=out.transpose(0, 2, 1, 3))
+    return out.reshape(B, S, A * D)
 
 
 def _probs(q, k, A):
@@ -165,8 +205,8 @@ def attention_forward(q, k, v, n_heads, *, keep_probs=True):
     if q.shape[-1] % n_heads:
         raise ValueError(f"attention: H_local={q.shape[-1]} not divisible by n_heads={n_heads}")
     p = _probs(q, k, n_heads)  # (B, A, S, S)
-    o = up(p) @ _heads(v, n_heads)  # (B, A, S, D)
-    return down(_merge(o), q.dtype), (q, k, v, n_heads, p if keep_probs else None)
+    o = _matmul_merged(up(p), _heads(v, n_heads))  # (B, S, H_local)
+    return down(o, q.dtype), (q, k, v, n_heads, p if keep_probs else None)
 
 
 def attention_backward(do, cache):
@@ -176,40 +216,47 @@ def attention_backward(do, cache):
         p = _probs(q, k, A)  # the same code as the forward: bitwise the same probabilities
     p = up(p)
     doh, vh = _heads(do, A), _heads(v, A)
-    dv = p.transpose(0, 1, 3, 2) @ doh  # (B, A, S, D)
+    dv = _matmul_merged(p.transpose(0, 1, 3, 2), doh)  # (B, S, H_local)
     dp = doh @ vh.transpose(0, 1, 3, 2)  # (B, A, S, S)
     # softmax backward, ds = p (dp - sum(dp p)), in dp's buffer; masked p = 0
     dp -= (dp * p).sum(axis=-1, keepdims=True)
     ds = np.multiply(dp, p, out=dp)
     ds *= 1.0 / math.sqrt(doh.shape[-1])
-    dq = ds @ _heads(k, A)
-    dk = ds.transpose(0, 1, 3, 2) @ _heads(q, A)
+    dq = _matmul_merged(ds, _heads(k, A))
+    dk = _matmul_merged(ds.transpose(0, 1, 3, 2), _heads(q, A))
     dt = q.dtype
-    return down(_merge(dq), dt), down(_merge(dk), dt), down(_merge(dv), dt)
+    return down(dq, dt), down(dk, dt), down(dv, dt)
 
 
 # ---- softmax cross-entropy -----------------------------------------------------------------------
-def _log_softmax(logits):
+def _shifted(logits):
+    """z = logits - rowmax, (N, V) in the arithmetic dtype (a new array); log softmax is
+    z - log(sum(exp(z)))."""
     z = up(logits).reshape(-1, logits.shape[-1])  # (N, V)
-    z = z - z.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    return z - z.max(axis=-1, keepdims=True)
 
 
 def cross_entropy_sum_forward(logits, targets):
     """logits (..., V), targets (...) ints -> (sum of per-token losses, token count, cache).
 
-    The sum form lets data/pipeline layouts divide by a global token count.
+    The sum form lets data/pipeline layouts divide by a global token count. Only the targets'
+    log-probabilities z[t] - log(sum(exp(z))) are formed (each the same operations as in the
+    full (N, V) log softmax); exp(z) goes in z's buffer once z[t] is taken.
     """
-    logp = _log_softmax(logits)  # (N, V), arithmetic dtype
+    z = _shifted(logits)  # (N, V)
     t = targets.reshape(-1)
-    total = -logp[np.arange(t.size), t].sum()
+    zt = z[np.arange(t.size), t]  # (N,)
+    lse = np.log(np.exp(z, out=z).sum(axis=-1))  # (N,)
+    total = -(zt - lse).sum()
     return total, t.size, (logits, targets)
 
 
 def cross_entropy_sum_backward(dsum, cache):
     """-> dlogits = dsum * (softmax - onehot); the softmax is recomputed from the logits."""
     logits, targets = cache
-    g = np.exp(_log_softmax(logits))  # (N, V)
+    z = _shifted(logits)  # (N, V), then log softmax and softmax in place
+    z -= np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    g = np.exp(z, out=z)
     t = targets.reshape(-1)
     g[np.arange(t.size), t] -= 1.0
     g *= dsum

@@ -7,11 +7,13 @@ into ``grad_norm_sq`` (a local sum a sharded layout all-reduces) and ``clip_coef
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 
 from emulator.guards import check_hyper
+from emulator.halves import in_halves
 from emulator.precision import down, up
 
 
@@ -27,12 +29,28 @@ def adamw_update(p, g, m, v, step, *, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weig
     g = g.astype(p.dtype, copy=False)
     if weight_decay != 0.0:
         p *= 1.0 - lr * weight_decay  # decoupled weight decay (Loshchilov & Hutter 2019)
+    step_size, bc2 = lr / (1.0 - b1**step), math.sqrt(1.0 - b2**step)
+    fn = functools.partial(_moments_and_step, b1=b1, b2=b2, bc2=bc2, eps=eps, step_size=step_size)
+    in_halves(fn, p, g, m, v, np.empty_like(p))  # two threads for large arrays
+
+
+def _moments_and_step(p, g, m, v, t, *, b1, b2, bc2, eps, step_size):
+    """m += (1 - b1) g; v += (1 - b2) g^2; p -= step_size (m / (sqrt(v) / bc2 + eps)): these
+    operations in this order, in one scratch buffer t instead of eight temporaries (a product
+    with a scalar commutes bitwise)."""
+    np.multiply(g, 1.0 - b1, out=t)
     m *= b1
-    m += (1.0 - b1) * g
+    m += t
+    np.multiply(g, g, out=t)
+    t *= 1.0 - b2
     v *= b2
-    v += (1.0 - b2) * (g * g)
-    denom = np.sqrt(v) / math.sqrt(1.0 - b2**step) + eps
-    p -= (lr / (1.0 - b1**step)) * (m / denom)
+    v += t
+    np.sqrt(v, out=t)
+    t /= bc2
+    t += eps
+    np.divide(m, t, out=t)
+    t *= step_size
+    p -= t
 
 
 class AdamW:

@@ -2,7 +2,7 @@
 
 python -m emulator run -n 16 examples/01_collectives.py [script args]   # 16 virtual ranks
 python -m emulator tour                                                  # every example, verdicts
-python -m emulator bench collectives | model | layouts | dryrun | ranks | messages  # tables
+python -m emulator bench collectives | model | layouts | dryrun | ranks | messages | torch  # tables
 python -m emulator plan memory | collective | bubble [flags]             # planning (planning/)
 python -m emulator dryrun --preset NAME --dp D --zero Z                  # shape-only run
 
@@ -30,6 +30,7 @@ BENCHES = {
     "ranks": "benchmarks.ranks",
     "messages": "benchmarks.messages",
     "ddp": "benchmarks.ddp",
+    "torch": "benchmarks.torch_peer_model",
 }
 
 
