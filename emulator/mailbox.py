@@ -77,9 +77,8 @@ class Mailbox:
                 if not q:
                     del self.box[k]
                 return msg
-            msg = self._await(k)
-        if msg is not None:
-            return msg
+            if self._wait(lambda: k in self.box):  # empty queues are deleted: in = a message
+                return self._pop(k)
         w = self.world
         w.raise_if_failed()
         w.fail(
@@ -101,30 +100,6 @@ class Mailbox:
         return msg
 
     # -- waiting ------------------------------------------------------------------------------
-    def _await(self, k):
-        """`_wait` for one message, inlined (the receive path): the message, or None."""
-        w = self.world
-        st = w.states[self.rank]
-        deadline = time.monotonic() + w.timeout
-        st.waiting = True
-        try:
-            while w.failure is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    deadline, left = _extend(w, deadline)
-                    if left <= 0:
-                        return None
-                self.sleeping = True
-                self.cond.wait(min(left, MAX_SLEEP))
-                self.sleeping = False
-                if w.failure is None:
-                    msg = self._pop(k)
-                    if msg is not None:
-                        return msg
-            return None
-        finally:
-            st.waiting = self.sleeping = False
-
     def _wait(self, ready) -> bool:
         """With `cond` held: sleep until `ready()`, the world's failure, or the deadline.
 
