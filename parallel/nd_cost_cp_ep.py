@@ -27,7 +27,7 @@ import dataclasses
 
 from emulator.flops import activation_bytes_per_block, moe_group_bytes
 from emulator.moe import capacity
-from emulator.precision import arith_dtype, compute_dtype
+from emulator.precision import compute_dtype
 from parallel.context import cost as cp_cost
 from parallel.data.axis import layer_of
 from parallel.expert import cost as ep_cost
@@ -51,26 +51,16 @@ def peak_activations(cfg, layout, B: int, S: int, coords: dict) -> int:
 
 
 def cp_block_bytes(cfg, layout, b: int, S: int, c: int, recompute: str) -> int:
-    """One block's cache on cp rank c, C = cp: the block of this rank's tp width at S/C tokens
-    (tp = 1: parallel/context/cost.block_activation_bytes; tp > 1: tensor/cost.py's block at
-    S/C, selective) without its q, k, v (3 blk, blk = b S/C H/t x: held only through the
-    attention cache), plus the method's attention cache on the rank's H/t width and A/t heads
-    (context/cost.cache_nbytes; the ring's o is the wo input already counted: - blk), plus the
-    positions table (8 S). Full recompute keeps only the block input."""
-    C, t, method = layout.cp, layout.tp, layout.cp_method
-    if t == 1:
-        return cp_cost.block_activation_bytes(cfg, method, b, S, C, recompute=recompute,
-                                              balance=layout.cp_balance, rank=c)  # fmt: skip
-    xd = compute_dtype(cfg.dtype)
-    x, y, S_l = xd.itemsize, arith_dtype(xd).itemsize, S // C
-    H, A = cfg.d_model // t, cfg.n_heads // t
-    blk = b * S_l * H * x
-    base = tp_cost.block_activation_bytes(cfg, b, S_l, t, sp=layout.sequence_parallel,
-                                          regather=layout.regather,
-                                          recompute="selective")  # fmt: skip
-    attn = cp_cost.cache_nbytes(method, b, S, H, A, C, x, keep_probs=recompute == "none",
-                                balance=layout.cp_balance, rank=c, acc_itemsize=y)  # fmt: skip
-    return base - 3 * blk + attn - (blk if method == "ring" else 0) + 8 * S
+    """One block's cache on cp rank c: parallel/context/cost.py's block at S/C tokens (tp = 1:
+    block_activation_bytes; tp > 1: tp_block_activation_bytes, the TP block of this rank's
+    width with or without SP), each with the method's attention cache and the positions table.
+    Full recompute keeps only the block input."""
+    kw = {"recompute": recompute, "balance": layout.cp_balance, "rank": c}
+    if layout.tp == 1:
+        return cp_cost.block_activation_bytes(cfg, layout.cp_method, b, S, layout.cp, **kw)
+    return cp_cost.tp_block_activation_bytes(cfg, layout.cp_method, b, S, layout.cp, layout.tp,
+                                             sp=layout.sequence_parallel,
+                                             regather=layout.regather, **kw)  # fmt: skip
 
 
 def cp_peak_activations(cfg, layout, B: int, S: int, s: int, c: int) -> int:
