@@ -252,9 +252,8 @@ class DataAxis(Accumulate):
                 for n, x in every[0][i].items():
                     diff = [r for r, e in enumerate(every)
                             if e[i][n] is not x and not np.array_equal(x, e[i][n])]  # fmt: skip
-                    bad += [f"{what} {n} over {where} (group ranks {diff} differ from 0)"] * bool(
-                        diff
-                    )
+                    if diff:
+                        bad.append(f"{what} {n} over {where} (group ranks {diff} differ from 0)")
         return bad
 
     def close(self) -> None:
