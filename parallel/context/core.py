@@ -23,9 +23,15 @@ def visible(qpos, kpos) -> np.ndarray:
 
 def scores(qh, kh, qpos, kpos) -> np.ndarray:
     """q k^T / sqrt(D), -inf where masked -> (B, A, Sq, Sk)."""
+    return block_scores(qh, kh, ~visible(qpos, kpos))
+
+
+def block_scores(qh, kh, hidden) -> np.ndarray:
+    """q k^T / sqrt(D), -inf where hidden (Sq, Sk) bool is True; hidden=None: nothing masked."""
     s = qh @ kh.transpose(0, 1, 3, 2)  # (B, A, Sq, Sk)
     s *= 1.0 / math.sqrt(qh.shape[-1])
-    s[..., ~visible(qpos, kpos)] = -np.inf
+    if hidden is not None:
+        s[..., hidden] = -np.inf
     return s
 
 
