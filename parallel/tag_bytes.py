@@ -13,8 +13,6 @@ is looked at once.
 
 from __future__ import annotations
 
-_SIDE = {"send": 0, "recv": 1}
-
 
 def tag_bytes(records, steps: int, patterns: dict) -> list[dict]:
     """records: Ledger records; patterns {name: tag pattern} -> per step {name: (sent, recv)}."""
@@ -27,16 +25,25 @@ def tag_bytes(records, steps: int, patterns: dict) -> list[dict]:
             exact.setdefault(pat, []).append(name)
     out = [{name: [0, 0] for name in patterns} for _ in range(steps)]
     hits: dict = {}  # tag -> the names it counts for (the patterns tested once per tag)
-    for r in records:
-        side = _SIDE.get(r.direction)
-        if side is None or not 0 <= r.step < steps:
+    for r in records:  # plain comparisons, no call per record: ~2-3 k records per rank and step
+        d = r.direction
+        if d == "send":
+            side = 0
+        elif d == "recv":
+            side = 1
+        else:
             continue
-        names = hits.get(r.tag)
-        if names is None:
-            names = hits[r.tag] = exact.get(r.tag, []) + [
-                n for pre, n in prefixes if isinstance(r.tag, str) and r.tag.startswith(pre)
+        s, tag = r.step, r.tag
+        if s < 0 or s >= steps:
+            continue
+        if tag in hits:
+            names = hits[tag]
+        else:
+            names = hits[tag] = exact.get(tag, []) + [
+                n for pre, n in prefixes if isinstance(tag, str) and tag.startswith(pre)
             ]
-        row = out[r.step]
-        for n in names:
-            row[n][side] += r.nbytes
+        if names:
+            row, nb = out[s], r.nbytes
+            for n in names:
+                row[n][side] += nb
     return [{n: tuple(v) for n, v in row.items()} for row in out]
