@@ -55,6 +55,7 @@ def probs_backward(p, qh, kh, vh, doh, delta=None):
     dp = doh @ vh.transpose(0, 1, 3, 2)  # (B, A, Sq, Sk)
     if delta is None:
         delta = (dp * p).sum(axis=-1)
-    ds = p * (dp - delta[..., None])  # softmax backward; masked p = 0
+    ds = np.subtract(dp, delta[..., None], out=dp)  # softmax backward p (dp - delta), in dp's
+    ds *= p  # buffer (x * p = p * x bitwise); masked p = 0
     ds *= 1.0 / math.sqrt(doh.shape[-1])
     return ds @ kh, ds.transpose(0, 1, 3, 2) @ qh, dv
