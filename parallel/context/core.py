@@ -23,9 +23,15 @@ def visible(qpos, kpos) -> np.ndarray:
 
 def scores(qh, kh, qpos, kpos) -> np.ndarray:
     """q k^T / sqrt(D), -inf where masked -> (B, A, Sq, Sk)."""
+    return block_scores(qh, kh, ~visible(qpos, kpos))
+
+
+def block_scores(qh, kh, hidden) -> np.ndarray:
+    """q k^T / sqrt(D), -inf where hidden (Sq, Sk) bool is True; hidden=None: nothing masked."""
     s = qh @ kh.transpose(0, 1, 3, 2)  # (B, A, Sq, Sk)
     s *= 1.0 / math.sqrt(qh.shape[-1])
-    s[..., ~visible(qpos, kpos)] = -np.inf
+    if hidden is not None:
+        s[..., hidden] = -np.inf
     return s
 
 
@@ -49,6 +55,7 @@ def probs_backward(p, qh, kh, vh, doh, delta=None):
     dp = doh @ vh.transpose(0, 1, 3, 2)  # (B, A, Sq, Sk)
     if delta is None:
         delta = (dp * p).sum(axis=-1)
-    ds = p * (dp - delta[..., None])  # softmax backward; masked p = 0
+    ds = np.subtract(dp, delta[..., None], out=dp)  # softmax backward p (dp - delta), in dp's
+    ds *= p  # buffer (x * p = p * x bitwise); masked p = 0
     ds *= 1.0 / math.sqrt(doh.shape[-1])
     return ds @ kh, ds.transpose(0, 1, 3, 2) @ qh, dv

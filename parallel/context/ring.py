@@ -22,17 +22,71 @@ that arrives again - the FlashAttention recomputation. Both keep q, k, v and o (
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from emulator.precision import down, up
-from parallel.context.core import heads, merge, probs_backward, scores, visible
+from parallel.context.core import block_scores, heads, merge, probs_backward, visible
 
 
-def _computed(qpos, kpos):
-    """Rows (queries) and columns (keys) of a block pair that see anything: the block actually
-    computed. Under zigzag this is exactly half of every block but the own one."""
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """The part of one block pair (this rank's queries, the keys of rank src) that sees
+    anything: rows / cols as slices when they are a contiguous range (always, under the
+    contiguous and zigzag tables: views instead of fancy-index copies), else index arrays;
+    hidden (rows, cols) bool = masked entries of that part, None when it sees everything."""
+
+    src: int
+    rows: object  # slice | int array (Sq,)
+    cols: object  # slice | int array (Sk,)
+    n_rows: int
+    n_cols: int
+    seen: int  # visible entries (per batch, head)
+    hidden: object  # None | (n_rows, n_cols) bool, read-only
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Every ring step of one rank under one positions table (C steps). An object, not a
+    tuple: memory.saved_nbytes walks dicts, tuples and lists only, so the plan's index arrays
+    are static metadata (like the positions table), not charged to the attention cache."""
+
+    steps: tuple
+
+
+_PLANS: dict = {}  # (rank, table shape, table bytes) -> _Plan; the table is the same per step
+_MAX_PLANS = 64
+
+
+def _index(idx: np.ndarray):
+    """Sorted indices -> a slice when they form one contiguous range."""
+    if idx.size and idx[-1] - idx[0] + 1 == idx.size:
+        return slice(int(idx[0]), int(idx[-1]) + 1)
+    return idx
+
+
+def _step(qpos, kpos, src: int) -> _Step:
     vis = visible(qpos, kpos)
-    return np.flatnonzero(vis.any(axis=1)), np.flatnonzero(vis.any(axis=0)), int(vis.sum())
+    rows, cols = np.flatnonzero(vis.any(axis=1)), np.flatnonzero(vis.any(axis=0))
+    part = vis[np.ix_(rows, cols)]
+    hidden = None if part.all() else ~part
+    if hidden is not None:
+        hidden.flags.writeable = False  # shared by the ranks' threads through _PLANS
+    return _Step(src, _index(rows), _index(cols), rows.size, cols.size, int(vis.sum()), hidden)
+
+
+def plan(pos, r: int) -> _Plan:
+    """Rank r's C ring steps under positions table pos (C, S_local); cached per table."""
+    key = (r, pos.shape, pos.dtype.str, pos.tobytes())
+    got = _PLANS.get(key)
+    if got is None:
+        C = pos.shape[0]
+        got = _Plan(tuple(_step(pos[r], pos[(r - t) % C], (r - t) % C) for t in range(C)))
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = got
+    return got
 
 
 def _pass_on(comm, arrays):
@@ -47,85 +101,92 @@ def _pass_on(comm, arrays):
 
 def ring_forward(comm, q, k, v, A, pos, *, keep_probs=True):
     """q, k, v (B, S_local, H) of rank r, positions table pos (C, S_local) -> (o, cache)."""
-    C, r = comm.size, comm.rank
-    qh, qpos = heads(q, A), pos[r]  # (B, A, S_local, D)
-    B, _, S_l, _ = qh.shape
-    m = np.full((B, A, S_l), -np.inf, qh.dtype)  # running row max
-    l = np.zeros((B, A, S_l), qh.dtype)  # running sum of exp(s - m)
-    acc = np.zeros_like(qh)  # running sum of exp(s - m) v, unnormalised (B, A, S_local, D)
+    r = comm.rank
+    qh = heads(q, A)  # (B, A, S_local, D)
+    steps = plan(pos, r).steps
+    m = l = acc = None  # running row max, sum of exp(s - m), sum of exp(s - m) v (unnormalised)
     blocks, work, kb, vb = [], [], k, v
     with comm.collective("ring_attention", "ring", q, extra=f"forward, heads={A}"):
-        for t in range(C):
+        for t, st in enumerate(steps):
             if t:  # the block used at step t - 1 moves on; the one of rank r - t arrives
                 kb, vb = _pass_on(comm, (kb, vb))
-            src = (r - t) % C
-            rows, cols, seen = _computed(qpos, pos[src])
-            work.append((src, rows.size, cols.size, seen))  # per (batch, head); work.py
-            if rows.size == 0:  # fully masked block pair: skipped
+            work.append((st.src, st.n_rows, st.n_cols, st.seen))  # per (batch, head); work.py
+            if st.n_rows == 0:  # fully masked block pair: skipped
                 blocks.append(None)
                 continue
-            s = scores(qh[:, :, rows], heads(kb, A)[:, :, cols], qpos[rows], pos[src][cols])
+            rs, cs = st.rows, st.cols
+            s = block_scores(qh[:, :, rs], heads(kb, A)[:, :, cs], st.hidden)
             # online-softmax merge (Liu et al. 2023, section 3, after Milakov & Gimelshein 2018;
             # the zigzag blocks: Brandon et al. 2023): rescale the old partial sums and the
             # block's to the new running max before adding them; lse = m + log l at the end
             m_blk = s.max(axis=-1)  # (B, A, rows) finite: every computed row sees a key
-            e = np.exp(s - m_blk[..., None])
-            m_old = m[..., rows]
-            m_new = np.maximum(m_old, m_blk)
-            a_old, a_blk = np.exp(m_old - m_new), np.exp(m_blk - m_new)  # exp(-inf) = 0
-            l[..., rows] = l[..., rows] * a_old + e.sum(axis=-1) * a_blk
-            pv = e @ heads(vb, A)[:, :, cols]  # (B, A, rows, D)
-            acc[:, :, rows] = acc[:, :, rows] * a_old[..., None] + pv * a_blk[..., None]
-            m[..., rows] = m_new
+            e = np.subtract(s, m_blk[..., None])
+            np.exp(e, out=e)
+            pv = e @ heads(vb, A)[:, :, cs]  # (B, A, rows, D)
+            if t == 0:  # the own block: every query sees its own position, so every row is
+                # here; merging into m = -inf, l = 0, acc = 0 is a_old = 0, a_blk = 1, i.e.
+                # l = sum e and acc = 0 + pv (+ 0.0 keeps that sum's sign of zero: same bits)
+                m, l, acc = m_blk, e.sum(axis=-1), np.add(pv, 0.0, out=pv)
+            else:
+                m_old = m[..., rs]
+                m_new = np.maximum(m_old, m_blk)
+                a_old, a_blk = np.exp(m_old - m_new), np.exp(m_blk - m_new)  # exp(-inf) = 0
+                lv, av = l[..., rs], acc[:, :, rs]  # views (slices) or copies (index arrays)
+                lv *= a_old
+                lv += e.sum(axis=-1) * a_blk
+                av *= a_old[..., None]
+                pv *= a_blk[..., None]
+                av += pv
+                if not isinstance(rs, slice):  # index arrays: lv, av are copies; write back
+                    l[..., rs], acc[:, :, rs] = lv, av
+                m[..., rs] = m_new
             blocks.append(s if keep_probs else None)
     lse = m + np.log(l)  # (B, A, S_local): log sum_j exp(s_ij) over every key of the sequence
     o = down(merge(acc / l[..., None]), q.dtype)  # (B, S_local, H)
-    for t, s in enumerate(blocks):  # kept scores -> probabilities normalised over all keys
+    for st, (t, s) in zip(steps, enumerate(blocks)):  # scores -> probabilities over all keys
         if s is not None:
-            rows, _, _ = _computed(qpos, pos[(r - t) % C])
-            s -= lse[..., rows, None]
+            s -= lse[..., st.rows, None]
             blocks[t] = down(np.exp(s, out=s), q.dtype)
     cache = {"q": q, "k": k, "v": v, "o": o, "lse": lse, "A": A, "pos": pos, "probs": blocks}
-    cache.update(comm=comm, keep=keep_probs, work=work)
+    cache.update(comm=comm, keep=keep_probs, work=work, plan=_Plan(steps))
     return o, cache
 
 
 def ring_backward(do, cache):
     """-> (dq, dk, dv), each (B, S_local, H). Accumulates in the arithmetic dtype."""
-    comm, q, k, v, A, pos = (cache[n] for n in ("comm", "q", "k", "v", "A", "pos"))
-    C, r = comm.size, comm.rank
-    qh, qpos, doh = heads(q, A), pos[r], heads(do, A)
+    comm, q, k, v, A = (cache[n] for n in ("comm", "q", "k", "v", "A"))
+    C = comm.size
+    qh, doh = heads(q, A), heads(do, A)
     delta = (doh * heads(cache["o"], A)).sum(axis=-1)  # (B, A, S_local) = rowsum(dO * O)
     dq = np.zeros_like(qh)
     own_dk, own_dv = np.zeros_like(qh), np.zeros_like(qh)  # this rank's block, step 0
     dkb = dvb = None  # the travelling accumulators of the block held now
     kb, vb = k, v
     with comm.collective("ring_attention", "ring", q, extra=f"backward, heads={A}"):
-        for t in range(C):
+        for t, st in enumerate(cache["plan"].steps):
             if t:  # K/V move on as in the forward; from step 2 the accumulators come with them
                 kb, vb = _pass_on(comm, (kb, vb))
                 if t >= 2:
                     dkb, dvb = _pass_on(comm, (dkb, dvb))
                 else:
                     dkb, dvb = np.zeros_like(qh), np.zeros_like(qh)
-            src = (r - t) % C
-            rows, cols, _ = _computed(qpos, pos[src])
-            if rows.size == 0:
+            if st.n_rows == 0:
                 continue
-            kh, vh = heads(kb, A)[:, :, cols], heads(vb, A)[:, :, cols]
+            rs, cs = st.rows, st.cols
+            kh, vh = heads(kb, A)[:, :, cs], heads(vb, A)[:, :, cs]
             p = cache["probs"][t]
             if p is None:  # recompute from q, the arriving K and the saved log-sum-exp
-                s = scores(qh[:, :, rows], kh, qpos[rows], pos[src][cols])
-                s -= cache["lse"][..., rows, None]
+                s = block_scores(qh[:, :, rs], kh, st.hidden)
+                s -= cache["lse"][..., rs, None]
                 p = np.exp(s, out=s)
             # the blockwise backward (Liu et al. 2023, section 3 and appendix; Brandon et al.
             # 2023 for the zigzag blocks): dQ += dS K locally, dK/dV of the block that is here
-            dq_b, dk_b, dv_b = probs_backward(up(p), qh[:, :, rows], kh, vh, doh[:, :, rows],
-                                              delta[..., rows])  # fmt: skip
-            dq[:, :, rows] += dq_b
+            dq_b, dk_b, dv_b = probs_backward(up(p), qh[:, :, rs], kh, vh, doh[:, :, rs],
+                                              delta[..., rs])  # fmt: skip
+            dq[:, :, rs] += dq_b
             gk, gv = (own_dk, own_dv) if t == 0 else (dkb, dvb)
-            gk[:, :, cols] += dk_b
-            gv[:, :, cols] += dv_b
+            gk[:, :, cs] += dk_b
+            gv[:, :, cs] += dv_b
         if C > 1:  # after step C - 1 rank r holds the accumulators of rank r + 1: send them home
             dkb, dvb = _pass_on(comm, (dkb, dvb))
             own_dk += dkb

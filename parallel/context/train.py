@@ -30,6 +30,7 @@ from emulator.model import check_inputs
 from parallel.context.attention import check_method
 from parallel.context.layout import table
 from parallel.layout import Layout
+from parallel.tag_bytes import tag_bytes
 from parallel.train import train
 
 
@@ -75,15 +76,8 @@ def cp_train(comm, cfg, seed, batches, steps, *, cp, method="ring", balance="zig
     mark = comm.ledger.mark()
     run = train(comm, layout, cfg, batches, steps, seed, lr=lr, betas=betas, eps=eps,
                 weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
-    recs, led = comm.ledger.since(mark), comm.ledger
-    step_bytes = []
-    for step in range(steps):
-        mine = [r for r in recs if r.step == step]
-        step_bytes.append({
-            what: (led.sent(mine, tag=tag), led.received(mine, tag=tag))
-            for what, tag in (("fwd", "cp-attn/fwd"), ("bwd", "cp-attn/bwd"),
-                              ("grads", "dp/grads*"))
-        })  # fmt: skip
+    step_bytes = tag_bytes(comm.ledger.since(mark), steps,
+                           {"fwd": "cp-attn/fwd", "bwd": "cp-attn/bwd", "grads": "dp/grads*"})  # fmt: skip
     if run.positions is None:  # cp = 1: one rank holds the whole (last) sequence
         S = check_inputs(*(batches(steps - 1) if callable(batches) else batches[steps - 1]),
                          cfg)[0].shape[1]  # fmt: skip

@@ -96,9 +96,10 @@ def unshard_experts(ep, params: dict, grads: dict) -> tuple[dict, dict]:
     """The stage's params / grads with the experts concatenated back to E over the ep group, in
     ep-coordinate order (uncounted: the check, not the training)."""
     every = ep.allgather_object((params, grads))
+    experts = {n for n in params if is_expert(n)} | {n for n in grads if is_expert(n)}
 
     def whole(k, d):
-        return {n: np.concatenate([e[k][n] for e in every]) if is_expert(n) else a
+        return {n: np.concatenate([e[k][n] for e in every]) if n in experts else a
                 for n, a in d.items()}  # fmt: skip
 
     return whole(0, params), whole(1, grads)
