@@ -147,6 +147,7 @@ class Comm:
         )
         st.calls.append(call)
         st.current = call
+        st.label = (op, algorithm, seq)
         st.depth = 1
         st.progress += 1
         try:
@@ -160,6 +161,7 @@ class Comm:
         finally:
             st.depth = 0
             st.current = None
+            st.label = P2P
 
     # -- groups -----------------------------------------------------------------------------
     def group(self, ranks, name: str | None = None) -> Comm:
@@ -193,26 +195,33 @@ class Comm:
     # -- helpers ----------------------------------------------------------------------------
     def _record(self, direction: str, peer: int, nbytes: int) -> None:
         st = self.state
-        call = st.current
         st.progress += 1
         ledger = st.ledger
-        op, algo, seq = ("p2p", "", -1) if call is None else (call.op, call.algorithm, call.seq)
-        tag = "/".join(st.tags) if st.tags else ""
-        key = (op, algo, self.name, self.ranks[peer], direction, nbytes, ledger.step, tag, seq)
+        key = (
+            st.label,  # (op, algorithm, seq): set with `current` (collective)
+            self.name,
+            self.ranks[peer],
+            direction,
+            nbytes,
+            ledger.step,
+            "/".join(st.tags) if st.tags else "",
+        )
         # Records are frozen values: equal ones are shared (a ring's p-1 steps repeat one), which
         # saves the dataclass constructor on most messages; the cache is small and per rank.
-        rec = st.record_cache.get(key)
-        if rec is None:
-            if len(st.record_cache) >= 256:
-                st.record_cache.clear()
-            rec = st.record_cache[key] = Record(
+        cache = st.record_cache
+        rec = cache.get(key)
+        if rec is None:  # built here, not in a helper: bench layouts --costs counts _record's
+            (op, algo, seq), group, glob, _, _, step, tag = key
+            if len(cache) >= 256:
+                cache.clear()
+            rec = cache[key] = Record(
                 op=op,
                 algorithm=algo,
-                group=self.name,
-                peer=self.ranks[peer],
+                group=group,
+                peer=glob,
                 direction=direction,
                 nbytes=int(nbytes),
-                step=ledger.step,
+                step=step,
                 tag=tag,
                 seq=seq,
             )
@@ -286,6 +295,7 @@ class Comm:
 # equal to a cached one normalises to an equal (shape, dtype), so a hit gives the same result.
 _SENDABLE: set = set()
 _EXPECTED: dict = {}
+P2P = ("p2p", "", -1)  # the ledger label (op, algorithm, seq) outside any collective
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,18 +1,26 @@
 """One virtual rank's incoming messages: a lock, a condition, and FIFO queues per channel.
 
     box[(group id, channel, sender global rank)] -> deque of arrays (oldest first)
+    p2p[(group id, -1, sender global rank)] -> deque: point-to-point lanes (channel -1)
 
 The group id is a small int the world gives each group key (`VirtualWorld.gid`: hashing the
 nested key tuple on every message cost more than the rest of the lookup). The channel is -1 for
 user point-to-point traffic and the collective's sequence number in its group otherwise
-(`Comm._channel`), so a receive only ever matches messages of its own channel. Empty queues are
-deleted at once: the box holds only messages in flight, so a leftover is exactly an entry, and
-the end of a collective (`close`) finds an empty box in O(1). `closed[group id]` counts the
-collectives this rank has finished in the group: a message sent into a closed channel would
-never be received.
+(`Comm._channel`), so a receive only ever matches messages of its own channel. A collective's
+emptied queues stay until this rank ends a collective (`close` removes them, and the finished
+collective's queues), so between collectives `box` holds only messages in flight. `closed[group id]` counts
+the collectives this rank has finished in the group: a message sent into a closed channel would
+never be received. Point-to-point lanes are made once per (group, sender) and stay (possibly
+empty): both ends keep a reference (`VirtualComm`), so a message costs no key and no lookup.
 
-Only the owning rank waits on the condition, so `notify()` wakes exactly the one waiter, and
-a sender notifies only while the owner sleeps (`sleeping`, read and written under the lock).
+Who touches what (the GIL makes each deque or dict operation atomic): only the owner pops,
+and only the owner removes queues (`close`), so the owner reads and pops without the lock.
+A collective's sender appends under the lock (its closed-channel check and the append are one
+step against `close`); a point-to-point sender appends without it (that channel never closes).
+Only the owning rank waits on the condition, so `notify()` wakes exactly the one waiter, and a
+sender notifies only while the owner may sleep (`sleeping`): the owner sets it under the lock
+before its last look at the queue, so a sender that appends after that look sees the flag and
+takes the lock to notify - which it gets only once the owner is inside `cond.wait`.
 """
 
 from __future__ import annotations
@@ -27,27 +35,48 @@ MAX_SLEEP = 3600.0  # one wait's longest sleep (Condition.wait rejects an infini
 
 
 class Mailbox:
-    __slots__ = ("box", "closed", "cond", "lock", "rank", "sleeping", "world")
+    __slots__ = ("box", "closed", "cond", "lock", "p2p", "rank", "sleeping", "world")
 
     def __init__(self, world, rank: int):
         self.world = world
         self.rank = rank
         self.lock = threading.Lock()  # `with self.lock` (C) is cheaper than `with self.cond`
         self.cond = threading.Condition(self.lock)
-        self.sleeping = False  # the owner is in cond.wait: only then does a sender notify
+        self.sleeping = False  # the owner may be in cond.wait: a sender notifies
         self.box: dict = {}
+        self.p2p: dict = {}
         self.closed: dict = {}
 
     def wake(self) -> None:
         with self.lock:
             self.cond.notify_all()
 
+    def notify(self) -> None:
+        """A lock-free sender appended while the owner may sleep: wake it."""
+        with self.lock:
+            self.cond.notify()
+
     # -- the message path ---------------------------------------------------------------------
+    def lane(self, key) -> deque:
+        """The point-to-point queue of key (group id, -1, sender), made on first use."""
+        q = self.p2p.get(key)
+        if q is None:
+            with self.lock:  # sender and owner may both make it first: one queue either way
+                q = self.p2p.get(key)
+                if q is None:
+                    q = self.p2p[key] = deque()
+        return q
+
     def put(self, comm, channel: int, msg) -> None:
         """Append `msg` from `comm`'s rank on (comm's group, channel)."""
         gid, src = comm.gid, comm.state.rank
+        if channel < 0:
+            self.lane((gid, -1, src)).append(msg)
+            if self.sleeping:
+                self.notify()
+            return
         with self.lock:
-            if channel < 0 or self.closed.get(gid, 0) <= channel:
+            if self.closed.get(gid, 0) <= channel:
                 q = self.box.get((gid, channel, src))
                 if q is None:
                     self.box[(gid, channel, src)] = deque((msg,))
@@ -69,16 +98,27 @@ class Mailbox:
 
     def get(self, comm, channel: int, src: int):
         """The oldest message from global rank `src` on (comm's group, channel); waits for it."""
-        k = (comm.gid, channel, src)
-        with self.lock:
-            q = self.box.get(k)  # `_pop`, inlined: the common case, a message waiting
-            if q is not None:
-                msg = q.popleft()
-                if not q:
-                    del self.box[k]
-                return msg
-            if self._wait(lambda: k in self.box):  # empty queues are deleted: in = a message
-                return self._pop(k)
+        if channel < 0:
+            q = self.lane((comm.gid, -1, src))
+            if q:
+                return q.popleft()
+            with self.lock:
+                ok = self._wait(q.__len__)
+            if ok:
+                return q.popleft()
+        else:
+            k, box = (comm.gid, channel, src), self.box
+            q = box.get(k)
+            if q:
+                return q.popleft()
+            with self.lock:
+                ok = self._wait(lambda: box.get(k))  # the sender may make the queue meanwhile
+            if ok:
+                return box[k].popleft()
+        self.timed_out(comm, src)
+
+    def timed_out(self, comm, src: int) -> None:
+        """A receive from global rank `src` in comm's group waited out the deadline."""
         w = self.world
         w.raise_if_failed()
         w.fail(
@@ -89,15 +129,6 @@ class Mailbox:
                 f"stuck).\nflight recorder:\n{w.flight_recorder()}"
             ),
         )
-
-    def _pop(self, k):
-        q = self.box.get(k)
-        if q is None:
-            return None
-        msg = q.popleft()
-        if not q:
-            del self.box[k]
-        return msg
 
     # -- waiting ------------------------------------------------------------------------------
     def _wait(self, ready) -> bool:
@@ -112,6 +143,7 @@ class Mailbox:
         st.waiting = True
         try:
             while True:
+                self.sleeping = True  # before the look at `ready`: see the module docstring
                 if w.failure is not None:
                     return False
                 if ready():
@@ -121,9 +153,7 @@ class Mailbox:
                     deadline, left = _extend(w, deadline)
                     if left <= 0:
                         return False
-                self.sleeping = True
                 self.cond.wait(min(left, MAX_SLEEP))
-                self.sleeping = False
         finally:
             st.waiting = self.sleeping = False
 
@@ -142,21 +172,32 @@ class Mailbox:
 
     # -- ends of collectives and runs -----------------------------------------------------------
     def close(self, gid: int, seq: int):
-        """This rank finished collective `seq` of group `gid`: close its channel and return
-        whatever is still queued on it ({sender: deque}, or None)."""
+        """This rank finished collective `seq` of group `gid`: close its channel, remove its
+        queues and return whatever is still queued on it ({sender: deque}, or None)."""
         with self.lock:
             self.closed[gid] = seq + 1
-            if not self.box:  # the common case: nothing in flight to this rank at all
+            box = self.box
+            if not box:  # the common case: nothing in flight to this rank at all
                 return None
-            keys = [k for k in self.box if k[0] == gid and k[1] == seq]
-            return {k[2]: self.box.pop(k) for k in keys} or None
+            left = {}
+            for k in list(box):  # the owner's own step: no lock-free pop runs meanwhile
+                q = box[k]
+                if k[0] == gid and k[1] == seq:
+                    del box[k]
+                    if q:
+                        left[k[2]] = q
+                elif not q:  # an emptied queue of any collective (a nested group's too)
+                    del box[k]
+            return left or None
 
     def pending(self) -> list:
         """What is still queued, as [((group id, channel), {sender: deque})]."""
         with self.lock:
             out: dict = {}
-            for (gid, channel, src), q in self.box.items():
-                out.setdefault((gid, channel), {})[src] = q
+            for table in (self.box, self.p2p):
+                for (gid, channel, src), q in table.items():
+                    if q:
+                        out.setdefault((gid, channel), {})[src] = q
             return list(out.items())
 
 

@@ -78,6 +78,7 @@ class RankState:
     progress: int = 0  # messages + collective calls so far: a watchdog tells a stuck rank by it
     waiting: bool = False  # blocked in a communication wait (which has its own deadline)
     record_cache: dict = field(default_factory=dict)  # ledger Records by value (comm._record)
+    label: tuple = ("p2p", "", -1)  # the ledger's (op, algorithm, seq) of `current` (comm.py)
 
     def flight(self) -> str:
         # O(1): a timeout prints every rank's line, and 1,024 ranks may time out together
