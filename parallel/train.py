@@ -39,8 +39,9 @@ import dataclasses
 from emulator import scope
 from emulator.data import shard_batch, split_microbatches
 from emulator.guards import check_finite, check_training
-from emulator.model import check_inputs, init_params
+from emulator.model import check_inputs
 from emulator.precision import compute_dtype
+from emulator.shared_init import shared_init_params
 from parallel.context.layout import table
 from parallel.data.axis import DataAxis
 from parallel.expert import nd as nd_ep
@@ -134,7 +135,8 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
     plan = megatron_plan(cfg)
     if layout.ep > 1:  # experts over ep, replicated over tp (parallel/expert/nd.py)
         plan = nd_ep.expert_plan(plan)
-    full = init_params(cfg, seed) if params is None else params
+    # read-only, drawn once per virtual world; shard() copies this rank's blocks
+    full = shared_init_params(comm, cfg, seed) if params is None else params
     master = shard({n: full[n] for n in names}, plan, tp.rank, t)  # this rank's copies
     ctx = LayerContext(tp=tp, sp=layout.sequence_parallel, regather=layout.regather,
                        cp=mesh["cp"], cp_method=layout.cp_method, act_bytes={})  # fmt: skip
