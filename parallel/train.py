@@ -117,7 +117,8 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
                    betas=betas, eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
     cfg = dataclasses.replace(cfg, dtype=layout.dtype)
     get = batches if callable(batches) else batches.__getitem__
-    layout.validate(comm.world_size, cfg, check_inputs(*get(0), cfg)[0].shape)
+    checked = check_inputs(*get(0), cfg)[0].shape  # the batch shape validated for
+    layout.validate(comm.world_size, cfg, checked)
     mesh = layout.mesh(comm)
     dp, pp, tp, m = mesh["dp"], mesh["pp"], mesh["tp"], layout.microbatches
     C = layout.cp
@@ -173,7 +174,9 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
         for step in range(steps):
             comm.ledger.step = step
             tokens, targets = check_inputs(*get(step), cfg)
-            layout.validate(comm.world_size, cfg, tokens.shape)
+            if tokens.shape != checked:  # validate depends on the shape only: once per shape
+                layout.validate(comm.world_size, cfg, tokens.shape)
+                checked = tokens.shape
             mine = shard_batch(tokens, targets, r, D)
             # each micro-batch its own arrays, so a cache is charged for its b S ids only
             mbs = [(a.copy(), b.copy()) for a, b in split_microbatches(*mine, m)]
