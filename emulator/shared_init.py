@@ -11,7 +11,10 @@ marked read-only: a rank that wrote into it instead of copying first fails with 
     full = shared_init_params(comm, cfg, seed)   # read-only; copy or slice what the rank holds
 
 Kept per world (a spawn), not per process: a program that spawns again - a benchmark's next
-round - draws again, as the single-rank reference does on every call. Under MPI every rank is a
+round - draws again, as the single-rank reference does on every call. Once as many calls as
+the world has ranks took a key, the slot drops it (the arrays then live as long as a rank holds
+them, not until the world is collected: a world is freed by the cycle collector, and arrays
+held that long are fresh pages for the next spawn); a later call draws again. Under MPI every rank is a
 process of its own and this is init_params itself. A seed that is not an int (None: fresh
 entropy on every call) is never shared: each rank draws its own, as before.
 The memory ledger never charged the initial full-shape draw and does not now (what a rank holds
@@ -36,6 +39,7 @@ class _Slot:
     def __init__(self):
         self.lock = threading.Lock()  # held while the world's first caller draws
         self.params: dict = {}  # (cfg, seed) -> {name: read-only array}
+        self.takers: dict = {}  # (cfg, seed) -> calls so far
 
 
 def _shareable(seed) -> bool:
@@ -64,6 +68,9 @@ def shared_init_params(comm, cfg: ModelConfig, seed) -> dict[str, np.ndarray]:
             for a in params.values():
                 a.flags.writeable = False
             slot.params[key] = params
+        slot.takers[key] = slot.takers.get(key, 0) + 1
+        if slot.takers[key] == world.size:  # every rank has it: the slot lets go, so the
+            del slot.params[key], slot.takers[key]  # arrays go with the last rank's reference
     finally:
         slot.lock.release()
     return dict(params)  # a rank may rebind its dict's entries; the arrays stay shared

@@ -96,14 +96,30 @@ TRAINERS = {  # name: (module whose shared_init_params is replaced, ranks, one r
 @pytest.mark.parametrize("name", TRAINERS)
 def test_trainers_leave_the_shared_copy_untouched_and_match_fresh_arrays(name):
     module, ranks, run = TRAINERS[name]
+    handed = []  # every dict the trainer got from shared_init_params
 
-    def prog(comm):
-        params = run(comm).params
-        # the world's shared copy after training: still a fresh init, bitwise
-        return params, same(shared_init_params(comm, CFG, 0), init_params(CFG, 0))
+    def recorded(comm, cfg, seed):
+        handed.append(shared_init_params(comm, cfg, seed))
+        return handed[-1]
 
-    shared = emulator.spawn(prog, ranks, timeout=300)
+    with mock.patch(f"{module}.shared_init_params", recorded):
+        shared = emulator.spawn(lambda c: run(c).params, ranks, timeout=300)
     with mock.patch(f"{module}.shared_init_params", _fresh):
-        fresh = emulator.spawn(prog, ranks, timeout=300)
-    assert all(untouched for _, untouched in shared)
-    assert all(same(a[0], b[0]) for a, b in zip(shared, fresh))
+        fresh = emulator.spawn(lambda c: run(c).params, ranks, timeout=300)
+    assert len(handed) == ranks and all(h["embed.tok"] is handed[0]["embed.tok"] for h in handed)
+    # the world's shared copy after training: still a fresh init, bitwise (no rank wrote in it)
+    assert same(handed[0], init_params(CFG, 0))
+    assert all(same(a, b) for a, b in zip(shared, fresh))
+
+
+def test_the_slot_lets_go_once_every_rank_took_its_copy():
+    def prog(comm):
+        first = shared_init_params(comm, CFG, 0)
+        comm.barrier()  # every rank took one: the slot holds nothing now
+        assert not shared_init._worlds[comm.world].params
+        comm.barrier()
+        again = shared_init_params(comm, CFG, 0)  # a second round draws again, shared again
+        return first["embed.tok"] is not again["embed.tok"], id(again["embed.tok"])
+
+    out = emulator.spawn(prog, 3)
+    assert all(fresh for fresh, _ in out) and len({i for _, i in out}) == 1
