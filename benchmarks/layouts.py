@@ -8,13 +8,16 @@ Rounds interleave A B A B: each round times the reference step (A) and then the 
 keeps the ratio B / A of that round, so a disturbance on this shared machine hits one round's
 pair, not a whole column. Printed: the layout's min / median / max ms, the reference's, and the
 ratio's min / median / max over the rounds, with the load average and the CPU seconds burnt per
-wall second (the layouts' ranks are threads: cores busy < ranks means the GIL or waits).
+wall second (the layouts' ranks are threads: cores busy < ranks means the GIL or waits); before
+the ratio, the per-step process CPU of each side, medians (the figure other jobs on the machine
+disturb least), and the process's minor page faults per step.
 BLAS threads: `emulator.spawn` runs the P ranks under blas.limit(blas.per_rank(P)) (cores // P,
 and 1 on a machine with <= 4 cores; DISTEMU_BLAS_THREADS overrides); the reference runs under
 the same limit, so both sides get one virtual rank's BLAS threads.
 Virtual ranks share the cores the reference runs on: the ratio is the emulator's overhead
 (message copies through mailboxes, per-layer hooks, flat buffers, the ledger), not a speed-up.
-Both sides include init_params; the layouts also include starting P threads and gathering the
+Both sides include init_params (the layouts' P ranks share one draw per spawn:
+emulator/shared_init.py); the layouts also include starting P threads and gathering the
 full-shape parameters at the end of parallel.train (uncounted, for the checks).
 Sizes: small (H 64, S 32, 4 layers: messages and Python dominate) and compute (H 256, S 64,
 4 layers: the matmuls dominate); global batch 16 on both.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 import statistics
 import time
 
@@ -124,9 +128,16 @@ def step_fns(case: Case, size: str, **spawn_kw):
 
 def timed(fn) -> tuple[float, float]:
     """(wall s, CPU s of the whole process: every thread) of one call."""
+    return timed_faults(fn)[:2]
+
+
+def timed_faults(fn) -> tuple[float, float, int]:
+    """(wall s, process CPU s, minor page faults of the process) of one call."""
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0, time.process_time() - c0
+    t, c = time.perf_counter() - t0, time.process_time() - c0
+    return t, c, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
 
 def spread(xs, fmt="{:.1f}", scale=1.0) -> str:
@@ -140,15 +151,26 @@ def load() -> str:
 
 def interleave(ref, lay, rounds: int) -> dict:
     ref(), lay()  # warm-up: imports, BLAS, allocator
-    out = {"ref": [], "lay": [], "ratio": [], "ref_cpu": [], "lay_cpu": []}
+    out = {k: [] for k in ("ref", "lay", "ratio", "ref_cpu", "lay_cpu", "cpu", "faults")}
     for _ in range(rounds):
-        (a, ac), (b, bc) = timed(ref), timed(lay)
+        (a, ac, af), (b, bc, bf) = timed_faults(ref), timed_faults(lay)
         out["ref"].append(a)
         out["lay"].append(b)
         out["ratio"].append(b / a)
         out["ref_cpu"].append(ac / a)
         out["lay_cpu"].append(bc / b)
+        out["cpu"].append((bc, ac))  # process CPU s: the load-robust figure
+        out["faults"].append((bf, af))
     return out
+
+
+def cpu_cells(m) -> list:
+    """Per-step process CPU ms layout / reference and their ratio, minor faults per step (layout
+    / reference): medians over the rounds."""
+    med = statistics.median
+    lay, ref = med(c[0] for c in m["cpu"]), med(c[1] for c in m["cpu"])
+    faults = f"{med(f[0] for f in m['faults']):.0f}/{med(f[1] for f in m['faults']):.0f}"
+    return [f"{1e3 * lay:.0f}/{1e3 * ref:.0f}", f"{lay / ref:.2f}", faults]
 
 
 def bench(sizes, chosen, rounds: int) -> None:
@@ -161,11 +183,13 @@ def bench(sizes, chosen, rounds: int) -> None:
             m = interleave(*step_fns(case, size), rounds)
             rows.append([case.label, case.ranks, blas.per_rank(case.ranks),
                          spread(m["ref"], scale=1e3), spread(m["lay"], scale=1e3),
-                         spread(m["ratio"], "{:.2f}"), f"{statistics.median(m['lay_cpu']):.2f}",
+                         *cpu_cells(m), spread(m["ratio"], "{:.2f}"),
+                         f"{statistics.median(m['lay_cpu']):.2f}",
                          "yes" if statistics.median(m["ratio"]) <= 1.2 else "no"])  # fmt: skip
         print(format_table(["layout", "ranks", "BLAS/rank", "reference ms min/med/max",
-                            "layout ms min/med/max", "ratio min/med/max", "cores busy",
-                            "<= 1.2x"], rows))  # fmt: skip
+                            "layout ms min/med/max", "CPU ms lay/ref", "CPU ratio",
+                            "faults lay/ref", "ratio min/med/max", "cores busy", "<= 1.2x"],
+                           rows))  # fmt: skip
         print(f"{rounds} interleaved rounds per row (reference, layout); ratio per round; load "
               f"average after {load()}; pool {blas.threads()} BLAS threads outside spawn")  # fmt: skip
 

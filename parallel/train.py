@@ -39,8 +39,9 @@ import dataclasses
 from emulator import scope
 from emulator.data import shard_batch, split_microbatches
 from emulator.guards import check_finite, check_training
-from emulator.model import check_inputs, init_params
+from emulator.model import check_inputs
 from emulator.precision import compute_dtype
+from emulator.shared_init import shared_init_params
 from parallel.context.layout import table
 from parallel.data.axis import DataAxis
 from parallel.expert import nd as nd_ep
@@ -116,7 +117,8 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
                    betas=betas, eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
     cfg = dataclasses.replace(cfg, dtype=layout.dtype)
     get = batches if callable(batches) else batches.__getitem__
-    layout.validate(comm.world_size, cfg, check_inputs(*get(0), cfg)[0].shape)
+    checked = check_inputs(*get(0), cfg)[0].shape  # the batch shape validated for
+    layout.validate(comm.world_size, cfg, checked)
     mesh = layout.mesh(comm)
     dp, pp, tp, m = mesh["dp"], mesh["pp"], mesh["tp"], layout.microbatches
     C = layout.cp
@@ -134,7 +136,8 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
     plan = megatron_plan(cfg)
     if layout.ep > 1:  # experts over ep, replicated over tp (parallel/expert/nd.py)
         plan = nd_ep.expert_plan(plan)
-    full = init_params(cfg, seed) if params is None else params
+    # read-only, drawn once per virtual world; shard() copies this rank's blocks
+    full = shared_init_params(comm, cfg, seed) if params is None else params
     master = shard({n: full[n] for n in names}, plan, tp.rank, t)  # this rank's copies
     ctx = LayerContext(tp=tp, sp=layout.sequence_parallel, regather=layout.regather,
                        cp=mesh["cp"], cp_method=layout.cp_method, act_bytes={})  # fmt: skip
@@ -171,7 +174,9 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
         for step in range(steps):
             comm.ledger.step = step
             tokens, targets = check_inputs(*get(step), cfg)
-            layout.validate(comm.world_size, cfg, tokens.shape)
+            if tokens.shape != checked:  # validate depends on the shape only: once per shape
+                layout.validate(comm.world_size, cfg, tokens.shape)
+                checked = tokens.shape
             mine = shard_batch(tokens, targets, r, D)
             # each micro-batch its own arrays, so a cache is charged for its b S ids only
             mbs = [(a.copy(), b.copy()) for a, b in split_microbatches(*mine, m)]

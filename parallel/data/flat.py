@@ -15,11 +15,12 @@ started once the current one holds >= bucket_cap bytes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
 
-from emulator.precision import down, up
+from emulator.precision import arith_dtype, down, up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +46,14 @@ class FlatLayout:
     def owned(self, rank: int) -> slice:
         return slice(rank * self.shard, (rank + 1) * self.shard)
 
+    @functools.cached_property
+    def slots(self) -> dict:
+        """{name: slice of the flat buffer}, computed once (the hooks ask per gradient)."""
+        return {n: slice(o, o + math.prod(s)) for n, o, s in zip(self.names, self.offsets,
+                                                                 self.shapes)}  # fmt: skip
+
     def slot(self, name: str) -> slice:
-        i = self.names.index(name)
-        return slice(self.offsets[i], self.offsets[i] + math.prod(self.shapes[i]))
+        return self.slots[name]
 
     def flatten(self, arrays: dict, dtype) -> np.ndarray:
         """(padded,) buffer holding arrays[name] for every name, zeros in the padding."""
@@ -58,7 +64,8 @@ class FlatLayout:
 
     def views(self, flat: np.ndarray) -> dict:
         """{name: view of flat with the parameter's shape} (writes go to the buffer)."""
-        return {n: flat[self.slot(n)].reshape(s) for n, s in zip(self.names, self.shapes)}
+        slots = self.slots
+        return {n: flat[slots[n]].reshape(s) for n, s in zip(self.names, self.shapes)}
 
 
 def make_layout(index: int, shapes: dict, D: int) -> FlatLayout:
@@ -112,6 +119,7 @@ class GradAccumulator:
 
     def __init__(self, layouts: list, dtype):
         self.layouts, self.dtype = layouts, np.dtype(dtype)
+        self.in_place = arith_dtype(self.dtype) == self.dtype  # no up/down cast (not bf16)
         self.of = unit_of(layouts)
         self.flats: dict[int, np.ndarray] = {}
         self.seen: dict[int, set] = {}
@@ -127,8 +135,11 @@ class GradAccumulator:
         flat = self.flats.get(lay.index)
         if flat is None:
             flat = self.flats[lay.index] = np.zeros(lay.padded, self.dtype)
-        s = lay.slot(name)
-        flat[s] = down(up(flat[s]) + up(np.asarray(grad).reshape(-1)), self.dtype)
+        s, g = lay.slots[name], np.asarray(grad).reshape(-1)
+        if self.in_place and g.dtype == self.dtype:  # float32/64: the same sum, in place
+            np.add(flat[s], g, out=flat[s])
+        else:  # bf16: fp32 arithmetic, stored back as bf16
+            flat[s] = down(up(flat[s]) + up(g), self.dtype)
         if len(seen) < len(lay.names):
             return None
         del self.seen[lay.index]  # complete: the next micro-batch starts afresh

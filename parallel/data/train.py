@@ -13,9 +13,10 @@ import dataclasses
 
 from emulator.data import shard_batch, split_microbatches
 from emulator.guards import check_finite, check_training
-from emulator.model import check_inputs, init_params, to_compute
+from emulator.model import check_inputs, to_compute
 from emulator.optim import AdamW
 from emulator.precision import compute_dtype
+from emulator.shared_init import shared_init_params
 from parallel.clip import clip_
 from parallel.data.common import loss_scales
 from parallel.data.ddp import DDP
@@ -70,9 +71,11 @@ def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microba
     mem = comm.memory
     mem.reset_peak()
     hyper = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
-    params = init_params(cfg, seed)  # same seed on every rank: identical replicas, no broadcast
+    # same seed on every rank: identical replicas; drawn once per virtual world, read-only
+    params = shared_init_params(comm, cfg, seed)
     statics = []  # (category, name) allocated here (DDP: the replicated model and AdamW)
-    if stage == "ddp":
+    if stage == "ddp":  # the replica is updated in place: this rank's own copy
+        params = {n: p.copy() for n, p in params.items()}
         engine = DDP(comm, params, bucket_cap_mb=bucket_cap_mb, dtype=cfg.dtype, mem=mem)
         opt = AdamW(params, **hyper)
         statics.append(("params", "master", sum(p.nbytes for p in params.values())))

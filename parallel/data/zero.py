@@ -237,8 +237,8 @@ class ZeroOptimizer:
         every = self.comm.allgather_object(shards)
         out = {}
         for lay in self.layouts:
-            flat = np.concatenate([e[lay.index] for e in every])
-            out.update({n: a.copy() for n, a in lay.views(flat).items()})
+            flat = np.concatenate([e[lay.index] for e in every])  # a new array of this rank's
+            out.update(lay.views(flat))  # views of it: no second copy
         return out
 
     def master_params(self) -> dict:

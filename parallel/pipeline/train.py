@@ -23,8 +23,9 @@ import dataclasses
 import emulator
 from emulator.data import shard_batch, split_microbatches
 from emulator.guards import check_finite, check_training
-from emulator.model import check_inputs, init_params
+from emulator.model import check_inputs
 from emulator.precision import compute_dtype
+from emulator.shared_init import shared_init_params
 from parallel.data.axis import DataAxis
 from parallel.pipeline.executor import OneStage, run_schedule, split_layers, stage_param_names
 from parallel.pipeline.schedules import SCHEDULES, Schedule, make_schedule, validate
@@ -75,7 +76,7 @@ def pipeline_train(where, cfg, seed, batches, steps, *, schedule="1f1b", microba
                          f"'none' or 'selective' (full keeps only each block's input)")  # fmt: skip
     split = split_layers(cfg.n_layers, pp.size * sched.v, sizes)
     names = stage_param_names(cfg, split, pp.rank, pp.size)
-    full = init_params(cfg, seed)
+    full = shared_init_params(pp, cfg, seed)  # read-only, shared on virtual ranks
     master = {n: full[n].copy() for n in names}
     mem = pp.memory
     # the dp side: DataAxis (parallel/data/axis.py) on this stage's parameters - local sum over

@@ -1,0 +1,61 @@
+"""emulator/heap.py on threads (virtual ranks): new threads that each allocate and free more than
+one 64 MiB arena heap's worth reuse the previous round's pages (no page faults) with the heap
+settings on; with glibc's defaults (DISTEMU_KEEP_HEAP=0) they fault a share of them back in.
+Counted by the kernel (getrusage minor faults) in fresh processes, since mallopt is per process.
+Linux + glibc only."""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc malloc only"
+)
+
+ROUND = """
+import json, resource, threading
+import numpy as np
+import emulator.ops  # noqa: F401 - calls heap.keep_freed_memory() on import
+from emulator import heap
+
+def one_round():  # 4 new threads (as a spawn starts), each 24 x 4 MiB arrays, all freed
+    def rank():
+        arrays = [np.ones(1 << 19) for _ in range(24)]  # 96 MiB: more than one arena heap
+        del arrays
+    threads = [threading.Thread(target=rank) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return 4 * 24 * (1 << 22)
+
+one_round()
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+nbytes = one_round()
+f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+print(json.dumps({"kept": heap.keep_freed_memory(), "faults": f1 - f0, "pages": nbytes // 4096}))
+"""
+
+
+def _round(keep: str) -> dict:
+    env = dict(os.environ, DISTEMU_KEEP_HEAP=keep)
+    env.pop("MALLOC_ARENA_MAX", None)
+    out = subprocess.run([sys.executable, "-c", ROUND], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    return json.loads(out.stdout)
+
+
+def test_threads_second_round_reuses_the_pages():
+    got = _round("1")
+    assert got["kept"] is True
+    assert got["faults"] < got["pages"] // 100, got  # 98,304 pages; measured 4 faults
+
+
+def test_threads_fault_pages_back_in_with_glibc_defaults():
+    got = _round("0")
+    assert got["kept"] is False
+    assert got["faults"] > got["pages"] // 20, got  # measured 10-50% of them
