@@ -220,17 +220,26 @@ class MPIComm(Comm):
         )
 
     def sendrecv(self, array, dst: int, src: int, out=None, shape=None, dtype=None):
-        channel = self._channel()
-        if channel < 0:  # user traffic: headers, through send and recv
+        call = self.state.current
+        if call is None:  # user traffic: headers, through send and recv
             return super().sendrecv(array, dst, src, out=out, shape=shape, dtype=dtype)
         # Post the receive first (the data lands in place), then send without an eager copy:
-        # the send buffer is untouched until both halves complete here.
-        array = self._as_message(array, "sendrecv")
-        self._peer(dst, "send to")
-        self._peer(src, "receive from")
-        out, shape, dtype = _expected(out, shape, dtype)
-        rreq, out = self._irecv(src, out, shape, dtype, channel)
-        sreq = self.mpi.Isend([np.ascontiguousarray(array), self.byte], dst, self._tag(channel))
+        # the send buffer is untouched until both halves complete here. The argument checks'
+        # common cases are one line each (a ring step is a sendrecv); else the full checks.
+        if type(array) is not np.ndarray or array.dtype not in _SENDABLE:
+            array = self._as_message(array, "sendrecv")
+        size, me = self.world_size, self.rank
+        if type(dst) is not int or not 0 <= dst < size or dst == me:
+            self._peer(dst, "send to")
+        if type(src) is not int or not 0 <= src < size or src == me:
+            self._peer(src, "receive from")
+        if type(out) is not np.ndarray or not out.flags.c_contiguous:
+            out, shape, dtype = _expected(out, shape, dtype)
+            if out is None:
+                out = np.empty(shape, dtype)
+        tag, byte = 3 + call.seq % (self.tag_ub - 3), self.byte  # = self._tag(call.seq)
+        rreq = self.mpi.Irecv([out, byte], src, tag)
+        sreq = self.mpi.Isend([np.ascontiguousarray(array), byte], dst, tag)
         t, st, name = self.traffic, self.state, self.name
         t.sent_n[dst] += 1
         t.sent_b[dst] += array.nbytes
