@@ -94,10 +94,12 @@ class Exchange:
     def __init__(self, comm, mpicomm, peers: dict, label: str, payload: bytes, tag: int):
         text = label.encode()
         raw = len(text).to_bytes(8, "little") + text + payload  # bytes: MPI sends them as they are
-        pending = comm.world.pending
+        world = comm.world
+        pending = world.pending
         for p in peers:
-            pending.append((mpicomm.Isend(raw, dest=p, tag=tag), raw))
-        comm.world.prune()
+            pending.append((mpicomm.Isend(raw, p, tag), raw))
+        if len(pending) > 32:  # (world.prune's own test, without its call on every check)
+            world.prune()
         self.comm, self.mpicomm, self.peers, self.label = comm, mpicomm, peers, label
         self.raw, self.payload = raw, payload
         self.got: dict = {}
