@@ -55,19 +55,35 @@ def _rows(x: np.ndarray, what: str) -> int:
     return x.shape[0]
 
 
+_ALL_REDUCE = {
+    "ring": ring.all_reduce,
+    "tree": tree.all_reduce,
+    "double_tree": double_tree.all_reduce,
+}
+_CHECKED: set = set()  # (op, dtype) pairs check_op passed: a repeated call skips the checks
+
+
 def all_reduce(comm, x, op: str = "sum", algorithm: str = "auto") -> np.ndarray:
     """Every rank gets the elementwise reduction. Algorithms: "ring", "tree" (binomial),
     "double_tree" (NCCL's two binary trees), "auto" = cost.auto_all_reduce (ring or tree)."""
-    x = _array(x, "all_reduce")
-    check_op(op, x.dtype, "all_reduce")
+    x = np.asarray(x)
+    try:
+        checked = (op, x.dtype) in _CHECKED
+    except TypeError:  # an unhashable op: the checks name it
+        checked = False
+    if not checked:
+        check_dtype(x.dtype, "all_reduce")
+        check_op(op, x.dtype, "all_reduce")
+        _CHECKED.add((op, x.dtype))
     algo = _choose("all_reduce", algorithm, ("auto", "ring", "tree", "double_tree"))
     if algo == "auto":
         algo = cost.auto_all_reduce(x.nbytes, comm.size)
     with comm.collective("all_reduce", algo, x, extra=f"op={op}"):
-        if comm.size == 1:
+        if comm.world_size == 1:
             return x.copy()
-        impl = {"ring": ring, "tree": tree, "double_tree": double_tree}[algo].all_reduce
-        return impl(comm, _flat(x), op).reshape(x.shape)
+        if x.ndim == 1 and x.flags.c_contiguous:  # the flat array already: no views to make
+            return _ALL_REDUCE[algo](comm, x, op)
+        return _ALL_REDUCE[algo](comm, _flat(x), op).reshape(x.shape)
 
 
 def reduce_scatter(comm, x, op: str = "sum", algorithm: str = "ring") -> np.ndarray:

@@ -34,10 +34,13 @@ over ranks 0, 1, ..., p-1 in order and half 1 over p-1, ..., 0 (p even) or 1, ..
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-from .cost import chunk_spans, double_tree_links
+from .cost import double_tree_links
 from .ops import combine, finalize
+from .tree import spans
 
 LEAF, INTERIOR, ROOT = 0, 1, 2
 
@@ -62,18 +65,24 @@ def schedule(rank: int, p: int) -> list[tuple[str, int]]:
     return [("up", t) for t in ups] + [("down", t) for t in reversed(ups)]
 
 
+@functools.lru_cache(maxsize=1024)
+def _plan(rank: int, p: int) -> tuple:
+    """schedule(rank, p) with each step's links: ((step, tree, (parent, left, right)), ...)."""
+    return tuple((step, t, double_tree_links(rank, p, t)) for step, t in schedule(rank, p))
+
+
 def _up(comm, half: np.ndarray, op: str, links, acc) -> None:
     """Reduce `half` over this rank's subtree into `acc` (the root's output slice, else a
     scratch half), chunk by chunk, each chunk sent on to the parent as soon as it is reduced.
     A leaf sends its own chunks."""
     parent, left, right = links
-    spans = chunk_spans(half.size, half.itemsize)
+    parts = spans(half.size, half.itemsize)
     if left is None and right is None:
-        for a, b in spans:
+        for a, b in parts:
             comm.send_lent(half[a:b], parent)
         return
-    tmp = None if right is None else np.empty(spans[0][1] - spans[0][0], half.dtype)
-    for a, b in spans:
+    tmp = None if right is None else np.empty(parts[0][1] - parts[0][0], half.dtype)
+    for a, b in parts:
         part = acc[a:b]
         if left is not None:
             combine(op, comm.recv(left, out=part), half[a:b])  # left (op) own
@@ -92,8 +101,7 @@ def all_reduce(comm, x: np.ndarray, op: str) -> np.ndarray:
     halves = (x[:h], x[h:])  # views
     out = np.empty_like(x)  # (N,)
     outs = (out[:h], out[h:])  # views into out, one per tree
-    for step, t in schedule(r, p):
-        links = double_tree_links(r, p, t)
+    for step, t, links in _plan(r, p):
         parent, left, right = links
         if step == "up":  # the root reduces straight into its output
             leaf = left is None and right is None
@@ -102,7 +110,7 @@ def all_reduce(comm, x: np.ndarray, op: str) -> np.ndarray:
             continue
         if parent is None:
             finalize(op, outs[t], p)
-        for a, b in chunk_spans(outs[t].size, x.itemsize):
+        for a, b in spans(outs[t].size, x.itemsize):
             if parent is not None:
                 comm.recv(parent, out=outs[t][a:b])
             for child in (left, right):  # the left subtree is never shallower than the right

@@ -14,10 +14,17 @@ These functions move bytes only; call them through collectives.api, which labels
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .cost import chunk_counts, offsets
 from .ops import combine, exchange, finalize
+
+
+@functools.lru_cache(maxsize=1024)
+def _offsets(counts: tuple) -> tuple:  # cached: every all-reduce of a bucket asks again
+    return tuple(offsets(counts))
 
 
 def reduce_scatter(comm, x: np.ndarray, counts, op: str) -> np.ndarray:
@@ -25,7 +32,7 @@ def reduce_scatter(comm, x: np.ndarray, counts, op: str) -> np.ndarray:
     p, r = comm.size, comm.rank
     if p == 1:
         return x.copy()
-    off = offsets(counts)
+    off = _offsets(tuple(counts))
     dst, src = (r + 1) % p, (r - 1) % p
     # Two receive buffers, used in turn: step s receives into one while it sends the other's
     # partial (step s-1's, complete once that step returned), so p-1 steps allocate two.
@@ -44,7 +51,7 @@ def reduce_scatter(comm, x: np.ndarray, counts, op: str) -> np.ndarray:
 def all_gather(comm, mine: np.ndarray, counts) -> np.ndarray:
     """mine: (counts[r],). Returns the (N,) concatenation of every rank's chunk, new array."""
     p, r = comm.size, comm.rank
-    off = offsets(counts)
+    off = _offsets(tuple(counts))
     out = np.empty(off[-1], mine.dtype)  # (N,)
     out[off[r] : off[r + 1]] = mine
     dst, src = (r + 1) % p, (r - 1) % p

@@ -19,26 +19,41 @@ Byte counts: collectives/cost.py.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
+from . import cost
 from .cost import chunk_spans, tree_children, tree_parent
 from .ops import combine, finalize
 
 
+@functools.lru_cache(maxsize=1024)
+def _links(r: int, p: int, root: int) -> tuple:
+    """(v, children (reduce order: nearest first), parent) of rank r, as group ranks."""
+    v = (r - root) % p
+    return v, tuple((c + root) % p for c in tree_children(v, p)), (tree_parent(v) + root) % p
+
+
+def spans(n: int, itemsize: int):
+    """cost.chunk_spans(n, itemsize); a message that fits one chunk (every small one) without
+    building the list: one span (0, n), as chunk_spans gives (n = 0 included)."""
+    if n * itemsize <= cost.TREE_CHUNK:
+        return ((0, n),)
+    return chunk_spans(n, itemsize)
+
+
 def reduce(comm, x: np.ndarray, op: str, root: int = 0):
     """x: (N,) contiguous, never written. The (N,) reduction on root (new array), else None."""
-    p, r = comm.size, comm.rank
-    v = (r - root) % p
-    kids = [(c + root) % p for c in tree_children(v, p)]
-    parent = (tree_parent(v) + root) % p
-    spans = chunk_spans(x.size, x.itemsize)
+    v, kids, parent = _links(comm.rank, comm.size, root)
+    parts = spans(x.size, x.itemsize)
     if not kids:  # a leaf (or p = 1): its own chunks go up as they are
-        for a, b in spans if v else ():
+        for a, b in parts if v else ():
             comm.send_lent(x[a:b], parent)
         return None if v else x.copy()
     acc = np.empty_like(x)  # (N,) the partial, chunk by chunk: received into, then reduced
-    tmp = np.empty(spans[0][1] - spans[0][0], x.dtype) if len(kids) > 1 else None
-    for a, b in spans:
+    tmp = np.empty(parts[0][1] - parts[0][0], x.dtype) if len(kids) > 1 else None
+    for a, b in parts:
         part = comm.recv(kids[0], out=acc[a:b])
         combine(op, part, x[a:b])  # child (op) own; ops commute bitwise
         for c in kids[1:]:
@@ -51,12 +66,10 @@ def reduce(comm, x: np.ndarray, op: str, root: int = 0):
 def broadcast(comm, x: np.ndarray, root: int = 0, owned: bool = False) -> np.ndarray:
     """x: (N,) on every rank (its content matters on root only). Returns root's x, new array
     (on the root, x itself when `owned`: the caller's own buffer)."""
-    p, r = comm.size, comm.rank
-    v = (r - root) % p
-    kids = [(c + root) % p for c in reversed(tree_children(v, p))]  # deepest subtree first
+    v, kids, parent = _links(comm.rank, comm.size, root)
+    kids = kids[::-1]  # deepest subtree first
     buf = (x if owned else x.copy()) if v == 0 else np.empty_like(x)
-    parent = (tree_parent(v) + root) % p
-    for a, b in chunk_spans(x.size, x.itemsize):
+    for a, b in spans(x.size, x.itemsize):
         if v:
             comm.recv(parent, out=buf[a:b])
         for c in kids:

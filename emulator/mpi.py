@@ -29,8 +29,18 @@ import weakref
 
 import numpy as np
 
-from .comm import Call, CollectiveMismatch, Comm, CommError, RankState, _bind_state, _expected
+from .comm import (
+    _SENDABLE,
+    Call,
+    CollectiveMismatch,
+    Comm,
+    CommError,
+    RankState,
+    _bind_state,
+    _expected,
+)
 from .ledger import Ledger
+from .mpi_call import OpenCall, label, record
 from .mpi_control import (
     GROUP_TAG,
     OBJECTS,
@@ -73,6 +83,7 @@ class MPIComm(Comm):
         self.tag_ub = _mpi().COMM_WORLD.Get_attr(_mpi().TAG_UB)
         self.checking = None  # the open collective's check (mpi_control.Exchange) until verified
         self.status = _mpi().Status()
+        self.byte, self.any_source = _mpi().BYTE, _mpi().ANY_SOURCE  # looked up once
         self.others = {j: g for j, g in enumerate(self.ranks) if j != self.rank}  # -> world rank
 
     def _wait(self, done, what: str, *args) -> None:
@@ -104,6 +115,13 @@ class MPIComm(Comm):
     def _tag(self, channel: int) -> int:
         return 0 if channel < 0 else 3 + channel % (self.tag_ub - 3)
 
+    def collective(self, op: str, algorithm: str = "", array=None, extra: str = ""):
+        """Comm.collective's steps without its generator (emulator.mpi_call.OpenCall)."""
+        return OpenCall(self, op, algorithm, array, extra)
+
+    def _record(self, direction: str, peer: int, nbytes: int) -> None:
+        record(self.state, self.name, self.ranks[peer], direction, nbytes)
+
     # -- data plane -----------------------------------------------------------------------------
     def _post(self, array: np.ndarray, dst: int, channel: int) -> None:
         if channel < 0:  # user message: the header, then the payload, in one buffer (one copy)
@@ -129,6 +147,22 @@ class MPIComm(Comm):
         self.traffic.recv_n[src] += 1
         self.traffic.recv_b[src] += got.nbytes
         return got
+
+    def recv(self, src: int, out=None, shape=None, dtype=None):
+        call = self.state.current
+        if call is None or type(out) is not np.ndarray or not out.flags.c_contiguous:
+            return super().recv(src, out=out, shape=shape, dtype=dtype)  # every other case
+        # A collective's receive into its own buffer (every receive of the algorithms): the
+        # same checks, request, size check and records as Comm.recv -> _take, in one frame.
+        if type(src) is not int or not 0 <= src < self.world_size or src == self.rank:
+            self._peer(src, "receive from")
+        req = self.mpi.Irecv([out, self.byte], src, 3 + call.seq % (self.tag_ub - 3))
+        self._complete(req, src, out)
+        t = self.traffic
+        t.recv_n[src] += 1
+        t.recv_b[src] += out.nbytes
+        record(self.state, self.name, self.ranks[src], "recv", out.nbytes)
+        return out
 
     def _take_user(self, src: int, shape, dtype) -> np.ndarray:
         # Probe first: the message's size is known before we receive, so a message of another
@@ -162,20 +196,20 @@ class MPIComm(Comm):
     def _irecv(self, src: int, out, shape, dtype, channel: int):
         if out is None:
             out = np.empty(shape, dtype)
-        buf = out.reshape(-1).view(np.uint8)
-        return self.mpi.Irecv(buf, source=src, tag=self._tag(channel)), out
+        # [buffer, MPI.BYTE]: any contiguous dtype (bfloat16 included) as its raw bytes
+        return self.mpi.Irecv([out, self.byte], src, self._tag(channel)), out
 
     def _complete(self, req, src: int, out, send_req=None, dst: int = -1) -> None:
         """Wait for a posted receive (and our send to dst); check the message's size."""
-        MPI = _mpi()
         status = self.status
         try:
-            self._wait(lambda: req.Test(status), "to receive from rank %d", self.ranks[src])
-        except MPI.Exception as exc:  # a larger message than expected: MPI_ERR_TRUNCATE
+            if not req.Test(status):  # the common case is here at once: no closure
+                self._wait(lambda: req.Test(status), "to receive from rank %d", self.ranks[src])
+        except _mpi().Exception as exc:  # a larger message than expected: MPI_ERR_TRUNCATE
             raise self._size_error(src, out, f"more than {out.nbytes}") from exc
-        if status.Get_count(MPI.BYTE) != out.nbytes:
-            raise self._size_error(src, out, str(status.Get_count(MPI.BYTE)))
-        if send_req is not None:
+        if status.Get_count(self.byte) != out.nbytes:
+            raise self._size_error(src, out, str(status.Get_count(self.byte)))
+        if send_req is not None and not send_req.Test():
             self._wait(send_req.Test, "for rank %d to take our message", self.ranks[dst])
 
     def _size_error(self, src: int, out, got: str) -> CommError:
@@ -186,48 +220,65 @@ class MPIComm(Comm):
         )
 
     def sendrecv(self, array, dst: int, src: int, out=None, shape=None, dtype=None):
-        channel = self._channel()
-        if channel < 0:  # user traffic: headers, through send and recv
+        call = self.state.current
+        if call is None:  # user traffic: headers, through send and recv
             return super().sendrecv(array, dst, src, out=out, shape=shape, dtype=dtype)
         # Post the receive first (the data lands in place), then send without an eager copy:
-        # the send buffer is untouched until both halves complete here.
-        array = self._as_message(array, "sendrecv")
-        self._peer(dst, "send to")
-        self._peer(src, "receive from")
-        out, shape, dtype = _expected(out, shape, dtype)
-        rreq, out = self._irecv(src, out, shape, dtype, channel)
-        send = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        sreq = self.mpi.Isend(send, dest=dst, tag=self._tag(channel))
-        t = self.traffic
+        # the send buffer is untouched until both halves complete here. The argument checks'
+        # common cases are one line each (a ring step is a sendrecv); else the full checks.
+        if type(array) is not np.ndarray or array.dtype not in _SENDABLE:
+            array = self._as_message(array, "sendrecv")
+        size, me = self.world_size, self.rank
+        if type(dst) is not int or not 0 <= dst < size or dst == me:
+            self._peer(dst, "send to")
+        if type(src) is not int or not 0 <= src < size or src == me:
+            self._peer(src, "receive from")
+        if type(out) is not np.ndarray or not out.flags.c_contiguous:
+            out, shape, dtype = _expected(out, shape, dtype)
+            if out is None:
+                out = np.empty(shape, dtype)
+        tag, byte = 3 + call.seq % (self.tag_ub - 3), self.byte  # = self._tag(call.seq)
+        rreq = self.mpi.Irecv([out, byte], src, tag)
+        sreq = self.mpi.Isend([np.ascontiguousarray(array), byte], dst, tag)
+        t, st, name = self.traffic, self.state, self.name
         t.sent_n[dst] += 1
         t.sent_b[dst] += array.nbytes
-        self._record("send", dst, array.nbytes)
+        record(st, name, self.ranks[dst], "send", array.nbytes)
         self._complete(rreq, src, out, send_req=sreq, dst=dst)
         t.recv_n[src] += 1
         t.recv_b[src] += out.nbytes
-        self._record("recv", src, out.nbytes)
+        record(st, name, self.ranks[src], "recv", out.nbytes)
         return out
 
     def send_lent(self, array, dst: int) -> None:
         """`send` without the eager copy: the collective that calls it leaves `array` unwritten
         until it ends, and its end waits for the send (same bytes, same records)."""
-        array = self._as_message(array, "send")
-        self._peer(dst, "send to")
-        buf = np.ascontiguousarray(array).reshape(-1).view(np.uint8)  # a view: no copy
-        req = self.mpi.Isend(buf, dest=dst, tag=self._tag(self._channel()))
-        self.world.lent.append((req, buf, self.ranks[dst]))  # the world's: any group's call
-        self.traffic.sent_n[dst] += 1
-        self.traffic.sent_b[dst] += array.nbytes
-        self._record("send", dst, array.nbytes)
+        if type(array) is not np.ndarray or array.dtype not in _SENDABLE:
+            array = self._as_message(array, "send")
+        if type(dst) is not int or not 0 <= dst < self.world_size or dst == self.rank:
+            self._peer(dst, "send to")
+        buf = np.ascontiguousarray(array)  # a view: no copy
+        req = self.mpi.Isend([buf, self.byte], dst, self._tag(self._channel()))
+        peer = self.ranks[dst]
+        self.world.lent.append((req, buf, peer))  # the world's: any group's call
+        t = self.traffic
+        t.sent_n[dst] += 1
+        t.sent_b[dst] += array.nbytes
+        record(self.state, self.name, peer, "send", array.nbytes)
 
     def _end_call(self, call: Call) -> None:
         # The checks of a clean end, in order: the labels (a mismatch explains everything
         # else), our sends without a copy taken, no message of this call left unreceived.
-        self._verify_check()
+        chk = self.checking
+        if chk is not None:
+            if not chk.progress():
+                chk.wait(f"to check collective {chk.label} against the other ranks")
+            self._verified()
         lent = self.world.lent
         if lent:
             for req, _, peer in lent:
-                self._wait(req.Test, "for rank %d to take our message", peer)
+                if not req.Test():
+                    self._wait(req.Test, "for rank %d to take our message", peer)
             lent.clear()
         self._leftover(call)
 
@@ -238,13 +289,11 @@ class MPIComm(Comm):
         # A message of this collective that no receive took (one already here; a later one is
         # caught by the end-of-run count): an algorithm sent more than its peers receive.
         # (MPICH's first Iprobe may only progress the queues; the second sees what arrived.)
-        MPI = _mpi()
-        status, tag = MPI.Status(), self._tag(call.seq)
-        probe = functools.partial(self.mpi.Iprobe, MPI.ANY_SOURCE, tag, status)
-        if probe() or probe():
+        status, tag, probe = self.status, self._tag(call.seq), self.mpi.Iprobe
+        if probe(self.any_source, tag, status) or probe(self.any_source, tag, status):
             raise CommError(
                 f"rank {self.ranks[status.Get_source()]} sent rank {self.state.rank} a message "
-                f"of {status.Get_count(MPI.BYTE)} bytes in {call.describe()} that no receive "
+                f"of {status.Get_count(self.byte)} bytes in {call.describe()} that no receive "
                 f"took: a stray send in the collective"
             )
 
@@ -257,7 +306,7 @@ class MPIComm(Comm):
     # or wait (one that never comes) is reported as the mismatch it is (`_settle`, `_hang`).
     def _check(self, call: Call) -> None:
         if self.world.check and self.world_size > 1:
-            self.checking = check_exchange(self, call.describe())
+            self.checking = check_exchange(self, label(call))
 
     def _verified(self) -> None:
         chk, self.checking = self.checking, None

@@ -47,6 +47,13 @@ def _mpi():
     return MPI
 
 
+@functools.cache
+def _status():
+    """One MPI.Status for every Exchange's probes: each is read right after its probe, and a
+    process has one thread of MPI calls, so they never overlap."""
+    return _mpi().Status()
+
+
 def poll(done, timeout: float, report, spin: float = 0.0) -> None:
     """Wait until done() is true, at most `timeout` s; then raise CommTimeout(report()).
 
@@ -87,43 +94,49 @@ class Exchange:
     def __init__(self, comm, mpicomm, peers: dict, label: str, payload: bytes, tag: int):
         text = label.encode()
         raw = len(text).to_bytes(8, "little") + text + payload  # bytes: MPI sends them as they are
-        pending = comm.world.pending
+        world = comm.world
+        pending = world.pending
         for p in peers:
-            pending.append((mpicomm.Isend(raw, dest=p, tag=tag), raw))
-        comm.world.prune()
+            pending.append((mpicomm.Isend(raw, p, tag), raw))
+        if len(pending) > 32:  # (world.prune's own test, without its call on every check)
+            world.prune()
         self.comm, self.mpicomm, self.peers, self.label = comm, mpicomm, peers, label
         self.raw, self.payload = raw, payload
         self.got: dict = {}
         self.probing, self.tag = set(peers), tag
         self.receiving: list = []
-        self.status = _mpi().Status()
+        self.status = _status()
 
     def progress(self) -> bool:
-        if self.probing:
-            status, mpicomm = self.status, self.mpicomm
-            for p in list(self.probing):
-                m = mpicomm.Improbe(source=p, tag=self.tag, status=status)
+        probing = self.probing
+        if probing:
+            status, mpicomm, tag = self.status, self.mpicomm, self.tag
+            for p in list(probing):
+                m = mpicomm.Improbe(p, tag, status)
                 if m is None:
                     continue
-                self.probing.discard(p)
-                buf = np.empty(status.Get_count(_mpi().BYTE), np.uint8)
-                if buf.size <= EAGER:  # a short message is all here once matched: take it now
+                probing.discard(p)
+                n = status.Get_count(_mpi().BYTE)
+                if n <= EAGER:  # a short message is all here once matched: take it now
+                    buf = bytearray(n)
                     m.Recv(buf)
                     self._took(p, buf)
                 else:  # a long one may still be in transfer: a request, tested with the deadline
+                    buf = np.empty(n, np.uint8)
                     self.receiving.append((p, m.Irecv(buf), buf))
-        for item in list(self.receiving):
-            p, req, buf = item
-            if req.Test():
-                self._took(p, buf)
-                self.receiving.remove(item)
+        if self.receiving:
+            for item in list(self.receiving):
+                p, req, buf = item
+                if req.Test():
+                    self._took(p, buf.tobytes())
+                    self.receiving.remove(item)
         return not self.probing and not self.receiving
 
-    def _took(self, p: int, buf) -> None:
-        raw = buf.tobytes()
-        if raw == self.raw:  # the same call (the common case): nothing to decode
+    def _took(self, p: int, buf) -> None:  # buf: bytes or bytearray
+        if buf == self.raw:  # the same call (the common case): nothing to decode
             self.got[p] = (self.label, self.payload)
             return
+        raw = bytes(buf)
         n = int.from_bytes(raw[:8], "little")
         self.got[p] = (raw[8 : 8 + n].decode(), raw[8 + n :])
 

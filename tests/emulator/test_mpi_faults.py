@@ -140,6 +140,21 @@ def test_mismatch_is_named_even_when_the_data_plane_fails_first(n, tmp_path):
 
 
 @pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize(
+    "case,calls",
+    [
+        ("small_tree_vs_double_tree", ("algorithm='tree'", "algorithm='double_tree'")),
+        ("small_shape", ("float32[1024]", "float32[1025]")),
+    ],
+)
+def test_small_message_mismatch_is_named_on_every_rank(case, calls, n, tmp_path):
+    # the lean small-message path keeps the check: every rank names both calls
+    for e in ranks_end_in(case, n, tmp_path):
+        assert e.startswith("CollectiveMismatch: collective mismatch in group 'world'"), e
+        assert all(c in e for c in calls), e
+
+
+@pytest.mark.parametrize("n", [2, 4])
 def test_hard_exit_of_a_rank_fails_the_job_naming_it(n):
     out = launched("hard_exit", n)
     assert out.returncode != 0, out.stderr

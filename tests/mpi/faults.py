@@ -27,7 +27,7 @@ TIMEOUT = 2.0  # seconds: for the cases that end in a timeout (its text names wh
 # not turn their named error into a timeout.
 GENEROUS = 30.0
 PROMPT = {"group_order", "mesh_swap", "stray", "barrier_vs_barrier", "objects_vs_all_reduce",
-          "ring_vs_tree"}  # fmt: skip
+          "ring_vs_tree", "small_tree_vs_double_tree", "small_shape"}  # fmt: skip
 
 
 def group_order(comm):  # rank 0 lists the members in reverse
@@ -99,6 +99,15 @@ def ring_vs_tree(comm):  # the same all-reduce, rank 0 by ring: its data is the 
     C.all_reduce(comm, np.ones(1000), algorithm="ring" if comm.rank == 0 else "tree")
 
 
+def small_tree_vs_double_tree(comm):  # the benchmark's 4 KiB float32, rank 0 by binomial tree
+    algo = "tree" if comm.rank == 0 else "double_tree"
+    C.all_reduce(comm, np.ones(1024, np.float32), algorithm=algo)
+
+
+def small_shape(comm):  # a 4 KiB tree all-reduce, the last rank's array one element longer
+    C.all_reduce(comm, np.ones(1024 + (comm.rank == comm.size - 1), np.float32), algorithm="tree")
+
+
 def hard_exit(comm):  # rank 1 leaves without a word, after a collective; the others go on
     C.all_reduce(comm, np.ones(3))
     if comm.rank == 1:
@@ -124,7 +133,7 @@ def many_groups(comm):  # 5,000 group creations (each freed when the next replac
 CASES = {f.__name__: f for f in (
     group_order, group_members, group_skip, mesh_swap, recv_dtype, recv_shape, stray,
     stray_in_collective, barrier_vs_barrier, objects_vs_all_reduce, hard_exit, killed, many_groups,
-    ring_vs_tree,
+    ring_vs_tree, small_tree_vs_double_tree, small_shape,
 )}  # fmt: skip
 
 
