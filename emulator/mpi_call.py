@@ -18,7 +18,7 @@ import functools
 
 import numpy as np
 
-from .comm import Call, _dtype_name
+from .comm import P2P, Call, _dtype_name
 from .ledger import Record
 
 _new = object.__new__
@@ -59,6 +59,7 @@ class OpenCall:
         call = self.call = Call(seq, self.op, self.algorithm, comm.name, shape, dtype, self.extra)
         st.calls.append(call)
         st.current = call
+        st.label = (call.op, call.algorithm, seq)  # as Comm.collective sets it (comm.py's _record)
         st.depth = 1
         st.progress += 1
         try:
@@ -66,6 +67,7 @@ class OpenCall:
         except BaseException:
             st.depth = 0
             st.current = None
+            st.label = P2P
             raise
 
     def __exit__(self, kind, exc, tb) -> bool:
@@ -82,6 +84,7 @@ class OpenCall:
         finally:
             st.depth = 0
             st.current = None
+            st.label = P2P
         return False
 
 

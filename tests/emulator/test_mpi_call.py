@@ -30,6 +30,8 @@ def test_label_is_describe(seq, op, algorithm, group, shape, dtype, extra):
 def _state(tags=(), current=None) -> RankState:
     s = RankState(rank=3, ledger=Ledger(3))
     s.tags, s.current, s.ledger.step = list(tags), current, 7
+    if current is not None:  # what Comm.collective / OpenCall set beside `current`
+        s.label = (current.op, current.algorithm, current.seq)
     return s
 
 
@@ -70,6 +72,7 @@ class _Fake:
 def _run(frame, comm, body_fails=False, nested=False):
     try:
         with frame(comm, "all_reduce", "tree", np.ones((2, 3), np.float32), "op=sum"):
+            comm.log.append(("label", comm.state.label))  # what _record labels the bytes with
             if nested:
                 with frame(comm, "reduce_scatter", "ring", None, ""):
                     assert comm.state.depth == 2
@@ -79,7 +82,7 @@ def _run(frame, comm, body_fails=False, nested=False):
         comm.log.append(("raised", type(exc).__name__))
     s = comm.state
     calls = [(c.seq, c.op, c.algorithm, c.group, c.shape, c.dtype, c.extra) for c in s.calls]
-    return comm.log, calls, s.depth, s.current, s.progress, s.seqs
+    return comm.log, calls, s.depth, s.current, s.label, s.progress, s.seqs
 
 
 def _generator(comm, *args):
