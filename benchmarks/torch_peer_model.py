@@ -121,7 +121,9 @@ def child(side: str, dtype: str, threads: int, batch: int, steps: int) -> dict:
             wall.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
             main.append(time.thread_time() - m0)
-    ms = {k: statistics.median(v) * 1e3 for k, v in (("ms", wall), ("cpu_ms", cpu), ("main_ms", main))}
+    ms = {
+        k: statistics.median(v) * 1e3 for k, v in (("ms", wall), ("cpu_ms", cpu), ("main_ms", main))
+    }
     return {**ms, "first_loss": first}
 
 

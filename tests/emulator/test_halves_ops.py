@@ -89,8 +89,12 @@ def test_cross_entropy(splits, monkeypatch, dtype, shape):
 def test_embedding_backward(splits, monkeypatch, dtype, H):
     rng = np.random.default_rng(H)
     tokens = np.array([[1, 1, 4, 1, 0], [0, 1, 2, 5, 5], [3, 3, 3, 1, 0]])  # repeated ids
-    tok, pos, dx = _rand(rng, (6, H), dtype), _rand(rng, (9, H), dtype), _rand(rng, (3, 5, H), dtype)
-    run = lambda: ops.embedding_backward(dx, ops.embedding_forward(tokens, tok, pos)[1])  # noqa: E731
+    tok, pos, dx = (
+        _rand(rng, (6, H), dtype),
+        _rand(rng, (9, H), dtype),
+        _rand(rng, (3, 5, H), dtype),
+    )
+    run = lambda: ops.embedding_backward(dx, ops.embedding_forward(tokens, tok, pos)[1])
     got = run()
     assert splits or H == 1
     _same(got, _one_call(run, monkeypatch))
