@@ -11,11 +11,18 @@ the one call (NumPy releases the GIL inside a ufunc's loop, so the halves do run
   by_columns(fn, *a)  halves of the last axis: sums over rows (axis 0), which NumPy accumulates
                       row after row per column, so a column's sum does not depend on its
                       neighbours (bias and layernorm gain sums, the embedding's scatter-add)
-  by_batch(fn, *a)    halves of axis 0 with the BLAS pool at ONE thread meanwhile: work made of
-                      many small GEMMs, one per (batch, head) (the attention core), where the two
-                      halves each run their own GEMMs instead of two BLAS threads sharing each
-                      tiny one. OpenBLAS computes a GEMM's elements the same at 1 and 2 threads
-                      (checked: `bench model --digest` prints the same at both).
+  by_batch(fn, *a)    halves of axis 0 with the BLAS pool at ONE thread meanwhile: GEMMs by halves
+                      of their rows (the linear layers, ops._gemm) and the attention core by halves
+                      of the batch (one small GEMM per (batch, head)), each half on its own thread
+                      with one-thread BLAS calls. OpenBLAS computes a GEMM's elements the same
+                      whichever rows it is given and at 1 or 2 threads (checked: tests, and
+                      `bench model --digest` prints the same at both thread counts).
+
+Why not the BLAS pool's own two threads for the GEMMs: its idle worker spins (sched_yield) for up
+to ~0.1 s after each call, beside the helper thread here; on a busy machine a 2-thread OpenBLAS
+call waits for a core another job holds. Measured under load 19 (float32 step, 2 threads, min of
+20 steps): 3.9 s with the pool's threads for the GEMMs, 1.2 s with halves (process CPU 1.2 s vs
+0.46 s; one thread's step is 0.37 s of CPU).
 
 fn(first half) runs on a helper thread and fn(second half) here. Checked: tests/emulator/
 test_halves*.py against the one call, and `bench model --digest` against the unsplit tree.

@@ -18,10 +18,11 @@ import numpy as np
 
 from emulator import heap
 from emulator.attention import _heads, _merge, attention_backward, attention_forward  # noqa: F401
-from emulator.halves import by_columns, in_halves
+from emulator.halves import by_batch, by_columns, in_halves
 from emulator.precision import arith_dtype, down, up
 
 GELU_C = math.sqrt(2.0 / math.pi)
+GEMM_HALF_MIN = 128  # the half's M, K and N; OpenBLAS's small-matrix path is for M N K <= 100^3
 heap.keep_freed_memory()  # a step's activations reuse the last step's memory (emulator/heap.py)
 
 
@@ -66,10 +67,28 @@ def _sum_rows_into(a, out):
 
 
 # ---- linear: y = x @ w + b, w (in, out) ----------------------------------------------------------
+def _gemm(a, b):
+    """a (M, K) @ b (K, N): with 2 BLAS threads on the main thread, two one-thread GEMMs on the
+    halves of a's rows (halves.by_batch; a transposed view too), each row the same BLAS kernel
+    as in the one call: no BLAS worker spinning beside the halves' helper thread. Only for
+    halves of >= GEMM_HALF_MIN rows, inner and outer size: a one-row half would be NumPy's gemv
+    instead of gemm, a small one OpenBLAS's small-matrix kernel (other rounding)."""
+    out = np.empty_like(a, dtype=np.result_type(a, b), order="C", shape=(a.shape[0], b.shape[1]))
+    if min(a.shape[0] // 2, *b.shape) >= GEMM_HALF_MIN:
+        by_batch(functools.partial(_matmul_into, b=b), a, out)
+    else:
+        np.matmul(a, b, out=out)
+    return out
+
+
+def _matmul_into(a, out, *, b):
+    np.matmul(a, b, out=out)
+
+
 def linear_forward(x, w, b=None):
     """x (..., in) -> y (..., out). Flattened to one 2-D GEMM; bf16 operands meet in fp32."""
     x2 = up(x.reshape(-1, x.shape[-1]))  # (N, in)
-    y = x2 @ up(w)  # (N, out)
+    y = _gemm(x2, up(w))  # (N, out)
     if b is not None:
         in_halves(functools.partial(_iadd, x=up(b)), y)
     return down(y.reshape(*x.shape[:-1], w.shape[1]), x.dtype), (x, w, b is not None)
@@ -79,8 +98,8 @@ def linear_backward(dy, cache):
     """-> (dx, dw, db); db is None when the layer has no bias."""
     x, w, has_b = cache
     dy2 = up(dy.reshape(-1, dy.shape[-1]))  # (N, out)
-    dx = down((dy2 @ up(w).T).reshape(x.shape), x.dtype)
-    dw = down(up(x.reshape(-1, x.shape[-1])).T @ dy2, w.dtype)  # (in, out)
+    dx = down(_gemm(dy2, up(w).T).reshape(x.shape), x.dtype)
+    dw = down(_gemm(up(x.reshape(-1, x.shape[-1])).T, dy2), w.dtype)  # (in, out)
     db = None
     if has_b:
         db = np.empty(dy2.shape[1], dy2.dtype)

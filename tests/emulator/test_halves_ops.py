@@ -1,5 +1,6 @@
 """Every op that emulator/halves.py splits is bitwise its one call, on awkward shapes: odd row
-counts, one row, odd columns, odd batches, float32 and float64. The split is forced for tiny arrays
+counts, one row, odd columns, odd batches, float32 and float64 (the linear layers' GEMMs by rows
+too: OpenBLAS's one-thread kernel on half the rows against NumPy's one matmul). The split is forced for tiny arrays
 (MIN_SIZE = 1, as if the BLAS pool had 2 threads) and counted, so each case really runs halves;
 the column sums are also checked against NumPy's own sum(axis=0) of the whole array."""
 
@@ -61,11 +62,27 @@ def test_linear_and_layernorm(splits, monkeypatch, dtype, shape):
         return (y, *ops.linear_backward(dy, c), ln, *ops.layernorm_backward(y[..., :H], lc))
 
     got = run()
-    assert splits  # the bias rows, the bias sums and the layernorm columns were split
+    assert splits  # the bias rows and sums, the layernorm rows and columns
     _same(got, _one_call(run, monkeypatch))
-    _same([got[3]], [dy.reshape(-1, H + 2).sum(axis=0)])  # db: NumPy's column sums
+    x2, dy2 = x.reshape(-1, H), dy.reshape(-1, H + 2)
+    _same(got[:3], [(x2 @ w + b).reshape(dy.shape), (dy2 @ w.T).reshape(x.shape), x2.T @ dy2])
+    _same([got[3]], [dy2.sum(axis=0)])  # db: NumPy's column sums
     d, xhat = got[0][..., :H], ops.layernorm_forward(x, gain, bias, 1e-5)[1][0]
     _same(got[6:], [(d * xhat).reshape(-1, H).sum(axis=0), d.reshape(-1, H).sum(axis=0)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mkn", [(257, 129, 131), (256, 128, 128), (301, 200, 1000)])
+def test_gemm_by_rows(splits, monkeypatch, dtype, mkn):
+    """ops._gemm on halves of the rows (odd M too) against NumPy's one matmul, a and a^T."""
+    M, K, N = mkn
+    rng = np.random.default_rng(M)
+    a, at, b = _rand(rng, (M, K), dtype), _rand(rng, (K, M), dtype).T, _rand(rng, (K, N), dtype)
+    got = [ops._gemm(a, b), ops._gemm(at, b)]
+    assert [f[0] for f, _ in splits] == [M // 2, M // 2]
+    _same(got, [a @ b, at @ b])
+    small = ops._gemm(a[: 2 * ops.GEMM_HALF_MIN - 1], b)  # halves below the minimum: one call
+    assert len(splits) == 2 and small.tobytes() == (a[: 2 * ops.GEMM_HALF_MIN - 1] @ b).tobytes()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
