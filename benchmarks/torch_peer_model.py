@@ -12,8 +12,9 @@ Each round runs ours and the peer once each, A B then B A (neither always second
 a fresh child process with that many threads (OMP_NUM_THREADS / OPENBLAS_NUM_THREADS /
 MKL_NUM_THREADS in its environment, plus torch.set_num_threads and blas.limit): separate
 processes, so neither side's idle thread pools spin against the other. A child takes the median
-of ``--steps`` steps after two warm-up steps, in wall time and in CPU time (the process's, all its
-threads: on a shared machine the one-thread CPU ratio is the steadier figure); the ratio ours /
+of ``--steps`` steps after two warm-up steps, in wall time, in CPU time (the process's, all its
+threads: on a shared machine the one-thread CPU ratio is the steadier figure) and in the main
+thread's CPU time (spin-waits count: BLAS and OpenMP workers spin there); the ratio ours /
 torch is per round, and min / median / max are printed. torch is not a dependency of this project: without it the
 benchmark says so and exits 0 (it is never run by the tests).
 """

@@ -35,6 +35,7 @@ elements; otherwise it is one call.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -51,6 +52,19 @@ def _helper() -> ThreadPoolExecutor:
         if not _pool:
             _pool.append(ThreadPoolExecutor(1, thread_name_prefix="distemu-halves"))
         return _pool[0]
+
+
+def _forget_after_fork() -> None:
+    """A forked child has no helper thread (fork copies only the calling thread): a new one
+    there, else its halves would wait for a thread that does not exist (planning/nd_dryrun.py's
+    worker processes are forked)."""
+    global _lock
+    _lock = threading.Lock()
+    _pool.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def enabled(size: int) -> bool:
