@@ -12,8 +12,9 @@ Each round runs ours and the peer once each, A B then B A (neither always second
 a fresh child process with that many threads (OMP_NUM_THREADS / OPENBLAS_NUM_THREADS /
 MKL_NUM_THREADS in its environment, plus torch.set_num_threads and blas.limit): separate
 processes, so neither side's idle thread pools spin against the other. A child takes the median
-of ``--steps`` steps after two warm-up steps, in wall time and in CPU time (the process's, all its
-threads: on a shared machine the one-thread CPU ratio is the steadier figure); the ratio ours /
+of ``--steps`` steps after two warm-up steps, in wall time, in CPU time (the process's, all its
+threads: on a shared machine the one-thread CPU ratio is the steadier figure) and in the main
+thread's CPU time (spin-waits count: BLAS and OpenMP workers spin there); the ratio ours /
 torch is per round, and min / median / max are printed. torch is not a dependency of this project: without it the
 benchmark says so and exits 0 (it is never run by the tests).
 """
@@ -111,16 +112,19 @@ def child(side: str, dtype: str, threads: int, batch: int, steps: int) -> dict:
         step = torch_step(dtype, batch)
     else:
         step = our_step(dtype, batch)
-    wall, cpu = [], []
+    wall, cpu, main = [], [], []
     with blas.limit(threads):
         first = step()
         step()
         for _ in range(steps):
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
             step()
             wall.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
-    ms = {"ms": statistics.median(wall) * 1e3, "cpu_ms": statistics.median(cpu) * 1e3}
+            main.append(time.thread_time() - m0)
+    ms = {
+        k: statistics.median(v) * 1e3 for k, v in (("ms", wall), ("cpu_ms", cpu), ("main_ms", main))
+    }
     return {**ms, "first_loss": first}
 
 
@@ -171,7 +175,7 @@ def main(argv=None) -> int:
                 ours.append(got["ours"])
                 peer.append(got["torch"])
             l0, l1 = ours[0]["first_loss"], peer[0]["first_loss"]
-            for key, what in (("ms", "wall"), ("cpu_ms", "CPU")):
+            for key, what in (("ms", "wall"), ("cpu_ms", "CPU"), ("main_ms", "main")):
                 ratio = [a[key] / b[key] for a, b in zip(ours, peer, strict=True)]
                 print(f"{dt} {t} thread(s) {what:4s} ms: ours {_mmm([r[key] for r in ours], '{:.1f}')}"
                       f"  torch {_mmm([r[key] for r in peer], '{:.1f}')}  ours/torch "

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from emulator.halves import in_halves
 from emulator.memory import saved_nbytes
 from emulator.moe import moe_backward, moe_forward
 from emulator.ops import (
+    _iadd,
     attention_backward,
     attention_forward,
     gelu_backward,
@@ -38,8 +40,15 @@ def _add_into(x, y):
     nothing else holds (a linear layer's output, a backward's dx). IEEE addition commutes, so
     y + x is bitwise x + y; one (B, S, H) array fewer per residual."""
     if x.dtype == y.dtype == arith_dtype(y.dtype) and x.shape == y.shape:
-        return np.add(y, x, out=y)
+        in_halves(_iadd, y, x)  # two threads for large C-contiguous arrays (emulator/halves.py)
+        return y
     return add(x, y)
+
+
+def _sum3(a, b, c):
+    """a = (a + b) + c in a's buffer."""
+    np.add(a, b, out=a)
+    a += c
 
 
 def _forward(bp, x, cfg, groups, keep_probs, attention, moe_fn):
@@ -119,8 +128,8 @@ def block_backward(dx, cache, daux=None):
     da_k, g["attn.wk"], g["attn.bk"] = linear_backward(dk, c["k"])
     da_v, g["attn.wv"], g["attn.bv"] = linear_backward(dv, c["v"])
     if da_q.dtype == arith_dtype(da_q.dtype):  # (da_q + da_k) + da_v in da_q's fresh buffer
-        da = np.add(da_q, da_k, out=da_q)
-        da += da_v
+        da = da_q
+        in_halves(_sum3, da_q, da_k, da_v)
     else:
         da = down(up(da_q) + up(da_k) + up(da_v), dx.dtype)
     dln1, g["ln1.gain"], g["ln1.bias"] = layernorm_backward(da, c["ln1"])

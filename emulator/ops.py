@@ -17,10 +17,12 @@ import math
 import numpy as np
 
 from emulator import heap
-from emulator.halves import in_halves
-from emulator.precision import down, up
+from emulator.attention import _heads, _merge, attention_backward, attention_forward  # noqa: F401
+from emulator.halves import by_batch, by_columns, in_halves
+from emulator.precision import arith_dtype, down, up
 
 GELU_C = math.sqrt(2.0 / math.pi)
+GEMM_HALF_MIN = 128  # the half's M, K and N; OpenBLAS's small-matrix path is for M N K <= 100^3
 heap.keep_freed_memory()  # a step's activations reuse the last step's memory (emulator/heap.py)
 
 
@@ -38,22 +40,57 @@ def embedding_forward(tokens, tok, pos, positions=None):
 def embedding_backward(dx, cache):
     """-> (dtok (V, H), dpos (T, H)); there is no dx: token ids are not differentiable."""
     tokens, tok_shape, pos_shape, dtype, positions = cache
-    B, S, H = dx.shape
+    S, H = dx.shape[1:]
     d = up(dx)
-    dtok = np.zeros(tok_shape, d.dtype)
-    np.add.at(dtok, tokens.reshape(-1), d.reshape(B * S, H))  # repeated ids accumulate
+    dtok, rows = np.zeros(tok_shape, d.dtype), np.empty((S, H), d.dtype)
+    by_columns(functools.partial(_embedding_sums, ids=tokens.reshape(-1)), dtok, d, rows)
     dpos = np.zeros(pos_shape, d.dtype)
-    dpos[slice(S) if positions is None else positions] = d.sum(axis=0)  # positions distinct
+    dpos[slice(S) if positions is None else positions] = rows  # positions distinct
     return down(dtok, dtype), down(dpos, dtype)
 
 
+def _embedding_sums(dtok, d, rows, *, ids):
+    """Columns of dtok (V, H) += the rows of d (B, S, H) in token order (repeated ids
+    accumulate), rows (S, H) = d summed over the batch."""
+    np.add.at(dtok, ids, d.reshape(-1, d.shape[-1]))
+    np.sum(d, axis=0, out=rows)
+
+
+def _iadd(y, x):
+    """y += x in place (x broadcasts: a bias row, or the same shape)."""
+    np.add(y, x, out=y)
+
+
+def _sum_rows_into(a, out):
+    """out (X,) = a (N, X) summed over its rows."""
+    np.sum(a, axis=0, out=out)
+
+
 # ---- linear: y = x @ w + b, w (in, out) ----------------------------------------------------------
+def _gemm(a, b):
+    """a (M, K) @ b (K, N): with 2 BLAS threads on the main thread, two one-thread GEMMs on the
+    halves of a's rows (halves.by_batch; a transposed view too), each row the same BLAS kernel
+    as in the one call: no BLAS worker spinning beside the halves' helper thread. Only for
+    halves of >= GEMM_HALF_MIN rows, inner and outer size: a one-row half would be NumPy's gemv
+    instead of gemm, a small one OpenBLAS's small-matrix kernel (other rounding)."""
+    out = np.empty_like(a, dtype=np.result_type(a, b), order="C", shape=(a.shape[0], b.shape[1]))
+    if min(a.shape[0] // 2, *b.shape) >= GEMM_HALF_MIN:
+        by_batch(functools.partial(_matmul_into, b=b), a, out)
+    else:
+        np.matmul(a, b, out=out)
+    return out
+
+
+def _matmul_into(a, out, *, b):
+    np.matmul(a, b, out=out)
+
+
 def linear_forward(x, w, b=None):
     """x (..., in) -> y (..., out). Flattened to one 2-D GEMM; bf16 operands meet in fp32."""
     x2 = up(x.reshape(-1, x.shape[-1]))  # (N, in)
-    y = x2 @ up(w)  # (N, out)
+    y = _gemm(x2, up(w))  # (N, out)
     if b is not None:
-        y += up(b)
+        in_halves(functools.partial(_iadd, x=up(b)), y)
     return down(y.reshape(*x.shape[:-1], w.shape[1]), x.dtype), (x, w, b is not None)
 
 
@@ -61,10 +98,13 @@ def linear_backward(dy, cache):
     """-> (dx, dw, db); db is None when the layer has no bias."""
     x, w, has_b = cache
     dy2 = up(dy.reshape(-1, dy.shape[-1]))  # (N, out)
-    dx = down((dy2 @ up(w).T).reshape(x.shape), x.dtype)
-    dw = down(up(x.reshape(-1, x.shape[-1])).T @ dy2, w.dtype)  # (in, out)
-    db = down(dy2.sum(axis=0), w.dtype) if has_b else None
-    return dx, dw, db
+    dx = down(_gemm(dy2, up(w).T).reshape(x.shape), x.dtype)
+    dw = down(_gemm(up(x.reshape(-1, x.shape[-1])).T, dy2), w.dtype)  # (in, out)
+    db = None
+    if has_b:
+        db = np.empty(dy2.shape[1], dy2.dtype)
+        by_columns(_sum_rows_into, dy2, db)  # each column summed row after row, as sum(axis=0)
+    return dx, dw, None if db is None else down(db, w.dtype)
 
 
 # ---- layernorm over the last axis, biased variance -----------------------------------------------
@@ -97,16 +137,28 @@ def layernorm_backward(dy, cache):
     xhat_s, rstd, gain = cache
     d, xhat = up(dy), up(xhat_s)
     H = d.shape[-1]
-    tmp = np.multiply(d, xhat)  # (..., H), the one temporary: d xhat, dxhat xhat, xhat proj
-    dgain = tmp.reshape(-1, H).sum(axis=0)
-    dbias = d.reshape(-1, H).sum(axis=0)
-    dx = np.multiply(d, up(gain))  # dxhat, becomes dx in place
-    # rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)): the same operations in the same order
+    tmp, dx = np.empty_like(d), np.empty_like(d)  # tmp: d xhat, then dxhat xhat, xhat proj
+    dgain, dbias = np.empty(H, d.dtype), np.empty(H, d.dtype)
+    rows = [a.reshape(-1, H) for a in (d, xhat, tmp)]  # (N, H); tmp's is a view
+    by_columns(_layernorm_sums, *rows, dgain, dbias)
+    in_halves(functools.partial(_layernorm_dx, gain=up(gain)), d, xhat, rstd, tmp, dx)
+    return down(dx, dy.dtype), down(dgain, gain.dtype), down(dbias, gain.dtype)
+
+
+def _layernorm_sums(d, xhat, tmp, dgain, dbias):
+    """Columns: dgain = sum over rows of d xhat (built in tmp), dbias = sum of d."""
+    np.multiply(d, xhat, out=tmp)
+    np.sum(tmp, axis=0, out=dgain)
+    np.sum(d, axis=0, out=dbias)
+
+
+def _layernorm_dx(d, xhat, rstd, tmp, dx, *, gain):
+    """Rows: dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), dxhat = d gain."""
+    np.multiply(d, gain, out=dx)
     proj = np.multiply(dx, xhat, out=tmp).mean(axis=-1, keepdims=True)
     dx -= dx.mean(axis=-1, keepdims=True)
     dx -= np.multiply(xhat, proj, out=tmp)
     dx *= rstd
-    return down(dx, dy.dtype), down(dgain, gain.dtype), down(dbias, gain.dtype)
 
 
 # ---- gelu, tanh approximation: 0.5 z (1 + tanh(c (z + 0.044715 z^3))) ----------------------------
@@ -162,78 +214,29 @@ def gelu_backward(dy, z):
     return down(d, z.dtype)
 
 
-# ---- causal multi-head attention core (q, k, v already projected) --------------------------------
-def _heads(t, A):
-    B, S, H = t.shape
-    return up(t).reshape(B, S, A, H // A).transpose(0, 2, 1, 3)  # (B, A, S, D)
-
-
-def _merge(t):
-    B, A, S, D = t.shape
-    return t.transpose(0, 2, 1, 3).reshape(B, S, A * D)  # (B, S, H)
-
-
-def _matmul_merged(a, b):
-    """a (B, A, S, X) @ b (B, A, X, D) -> (B, S, A*D): the GEMMs write straight into (B, S, A, D)
-    memory (ldc = A*D), which is _merge(a @ b) without the (B, A, S, D) temporary and its copy."""
-    B, A, S, _ = a.shape
-    D = b.shape[-1]
-    out = np.empty_like(a, dtype=np.result_type(a, b), order="C", shape=(B, S, A, D))
-    np.matmul(a, b, out=out.transpose(0, 2, 1, 3))
-    return out.reshape(B, S, A * D)
-
-
-def _probs(q, k, A):
-    """softmax(q k^T / sqrt(D)) with key j > query i masked; stored dtype = q's dtype."""
-    qh, kh = _heads(q, A), _heads(k, A)
-    S = q.shape[1]
-    scores = qh @ kh.transpose(0, 1, 3, 2)  # (B, A, S, S)
-    scores *= 1.0 / math.sqrt(qh.shape[-1])
-    np.copyto(scores, -np.inf, where=np.triu(np.ones((S, S), dtype=bool), k=1))  # key j > i
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
-    return down(scores, q.dtype)
-
-
-def attention_forward(q, k, v, n_heads, *, keep_probs=True):
-    """q, k, v (B, S, H_local), heads = consecutive D-column blocks -> o (B, S, H_local).
-
-    ``keep_probs=False`` is selective recomputation (Korthikanti et al. 2022, section 4.2): the
-    (B, A, S, S) probabilities are not cached and the backward recomputes them from q and k.
-    """
-    if q.shape[-1] % n_heads:
-        raise ValueError(f"attention: H_local={q.shape[-1]} not divisible by n_heads={n_heads}")
-    p = _probs(q, k, n_heads)  # (B, A, S, S)
-    o = _matmul_merged(up(p), _heads(v, n_heads))  # (B, S, H_local)
-    return down(o, q.dtype), (q, k, v, n_heads, p if keep_probs else None)
-
-
-def attention_backward(do, cache):
-    """-> (dq, dk, dv), each (B, S, H_local)."""
-    q, k, v, A, p = cache
-    if p is None:
-        p = _probs(q, k, A)  # the same code as the forward: bitwise the same probabilities
-    p = up(p)
-    doh, vh = _heads(do, A), _heads(v, A)
-    dv = _matmul_merged(p.transpose(0, 1, 3, 2), doh)  # (B, S, H_local)
-    dp = doh @ vh.transpose(0, 1, 3, 2)  # (B, A, S, S)
-    # softmax backward, ds = p (dp - sum(dp p)), in dp's buffer; masked p = 0
-    dp -= (dp * p).sum(axis=-1, keepdims=True)
-    ds = np.multiply(dp, p, out=dp)
-    ds *= 1.0 / math.sqrt(doh.shape[-1])
-    dq = _matmul_merged(ds, _heads(k, A))
-    dk = _matmul_merged(ds.transpose(0, 1, 3, 2), _heads(q, A))
-    dt = q.dtype
-    return down(dq, dt), down(dk, dt), down(dv, dt)
-
-
 # ---- softmax cross-entropy -----------------------------------------------------------------------
-def _shifted(logits):
-    """z = logits - rowmax, (N, V) in the arithmetic dtype (a new array); log softmax is
-    z - log(sum(exp(z)))."""
-    z = up(logits).reshape(-1, logits.shape[-1])  # (N, V)
-    return z - z.max(axis=-1, keepdims=True)
+def _shifted_into(logits, z):
+    """z (N, V) = logits - rowmax in the arithmetic dtype; log softmax is z - log(sum(exp(z)))."""
+    c = up(logits)
+    np.subtract(c, c.max(axis=-1, keepdims=True), out=z)
+
+
+def _ce_rows(logits, t, zt, lse):
+    """Rows of logits (n, V), t (n, 1) -> zt (n, 1) = z[t], lse (n, 1) = log(sum(exp(z)));
+    exp(z) goes in z's buffer once z[t] is taken."""
+    z = np.empty(logits.shape, zt.dtype)
+    _shifted_into(logits, z)
+    zt[:, 0] = z[np.arange(t.shape[0]), t[:, 0]]
+    lse[:, 0] = np.log(np.exp(z, out=z).sum(axis=-1))
+
+
+def _ce_grad_rows(logits, t, g, *, dsum):
+    """Rows: g (n, V) = dsum (softmax(logits) - onehot(t)), log softmax then softmax in g."""
+    _shifted_into(logits, g)
+    g -= np.log(np.exp(g).sum(axis=-1, keepdims=True))
+    np.exp(g, out=g)
+    g[np.arange(t.shape[0]), t[:, 0]] -= 1.0
+    g *= dsum
 
 
 def cross_entropy_sum_forward(logits, targets):
@@ -243,23 +246,21 @@ def cross_entropy_sum_forward(logits, targets):
     log-probabilities z[t] - log(sum(exp(z))) are formed (each the same operations as in the
     full (N, V) log softmax); exp(z) goes in z's buffer once z[t] is taken.
     """
-    z = _shifted(logits)  # (N, V)
-    t = targets.reshape(-1)
-    zt = z[np.arange(t.size), t]  # (N,)
-    lse = np.log(np.exp(z, out=z).sum(axis=-1))  # (N,)
-    total = -(zt - lse).sum()
+    V = logits.shape[-1]
+    t = targets.reshape(-1, 1)  # (N, 1)
+    zt, lse = np.empty((2, t.shape[0], 1), arith_dtype(logits.dtype))
+    in_halves(_ce_rows, logits.reshape(-1, V), t, zt, lse)
+    total = -(zt[:, 0] - lse[:, 0]).sum()
     return total, t.size, (logits, targets)
 
 
 def cross_entropy_sum_backward(dsum, cache):
     """-> dlogits = dsum * (softmax - onehot); the softmax is recomputed from the logits."""
     logits, targets = cache
-    z = _shifted(logits)  # (N, V), then log softmax and softmax in place
-    z -= np.log(np.exp(z).sum(axis=-1, keepdims=True))
-    g = np.exp(z, out=z)
-    t = targets.reshape(-1)
-    g[np.arange(t.size), t] -= 1.0
-    g *= dsum
+    V = logits.shape[-1]
+    g = np.empty((logits.size // V, V), arith_dtype(logits.dtype))  # (N, V)
+    in_halves(functools.partial(_ce_grad_rows, dsum=dsum), logits.reshape(-1, V),
+              targets.reshape(-1, 1), g)  # fmt: skip
     return down(g.reshape(logits.shape), logits.dtype)
 
 

@@ -87,3 +87,23 @@ def test_split_layernorm_and_adamw_are_bitwise_the_one_call(split_on, monkeypatc
     want = run()
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype == dtype and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_a_forked_child_gets_its_own_helper(split_on):
+    """The parent's helper thread does not exist in a forked child: the child's halves must
+    start their own (else they wait WAIT_S for nothing)."""
+    import multiprocessing as mp
+
+    a = np.arange(4 * 65536, dtype=np.float64).reshape(4, 65536)
+    halves.in_halves(lambda x: None, a)  # the parent's helper exists now
+    with mp.get_context("fork").Pool(1) as pool:
+        got = pool.apply_async(_double_in_halves, (a,)).get(timeout=120)
+    assert np.array_equal(got, 2.0 * a)
+
+
+def _double_in_halves(a):
+    halves.blas.threads = lambda: 2  # this child only: as if its pool had 2 threads
+    out = np.empty_like(a)
+    halves.in_halves(lambda x, o: np.multiply(x, 2.0, out=o), a, out)
+    return out
