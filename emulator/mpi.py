@@ -40,7 +40,7 @@ from .comm import (
     _expected,
 )
 from .ledger import Ledger
-from .mpi_call import OpenCall, label, record
+from .mpi_call import OpenCall, label
 from .mpi_control import (
     GROUP_TAG,
     OBJECTS,
@@ -119,9 +119,6 @@ class MPIComm(Comm):
         """Comm.collective's steps without its generator (emulator.mpi_call.OpenCall)."""
         return OpenCall(self, op, algorithm, array, extra)
 
-    def _record(self, direction: str, peer: int, nbytes: int) -> None:
-        record(self.state, self.name, self.ranks[peer], direction, nbytes)
-
     # -- data plane -----------------------------------------------------------------------------
     def _post(self, array: np.ndarray, dst: int, channel: int) -> None:
         if channel < 0:  # user message: the header, then the payload, in one buffer (one copy)
@@ -161,7 +158,7 @@ class MPIComm(Comm):
         t = self.traffic
         t.recv_n[src] += 1
         t.recv_b[src] += out.nbytes
-        record(self.state, self.name, self.ranks[src], "recv", out.nbytes)
+        self._record("recv", src, out.nbytes)
         return out
 
     def _take_user(self, src: int, shape, dtype) -> np.ndarray:
@@ -240,14 +237,14 @@ class MPIComm(Comm):
         tag, byte = 3 + call.seq % (self.tag_ub - 3), self.byte  # = self._tag(call.seq)
         rreq = self.mpi.Irecv([out, byte], src, tag)
         sreq = self.mpi.Isend([np.ascontiguousarray(array), byte], dst, tag)
-        t, st, name = self.traffic, self.state, self.name
+        t = self.traffic
         t.sent_n[dst] += 1
         t.sent_b[dst] += array.nbytes
-        record(st, name, self.ranks[dst], "send", array.nbytes)
+        self._record("send", dst, array.nbytes)
         self._complete(rreq, src, out, send_req=sreq, dst=dst)
         t.recv_n[src] += 1
         t.recv_b[src] += out.nbytes
-        record(st, name, self.ranks[src], "recv", out.nbytes)
+        self._record("recv", src, out.nbytes)
         return out
 
     def send_lent(self, array, dst: int) -> None:
@@ -264,7 +261,7 @@ class MPIComm(Comm):
         t = self.traffic
         t.sent_n[dst] += 1
         t.sent_b[dst] += array.nbytes
-        record(self.state, self.name, peer, "send", array.nbytes)
+        self._record("send", dst, array.nbytes)
 
     def _end_call(self, call: Call) -> None:
         # The checks of a clean end, in order: the labels (a mismatch explains everything

@@ -1,15 +1,13 @@
-"""A collective call's bookkeeping on the MPI backend, lean: the call frame, its label, its records.
+"""A collective call's bookkeeping on the MPI backend, lean: the call frame and its label.
 
 `Comm.collective` is a generator context manager; under MPI a small all-reduce is a few tens of
 microseconds, and that generator alone measured ~2 us a call. `OpenCall` does the same steps
 in the same order as an object with `__enter__` / `__exit__` (the flight recorder's `Call`,
-the sequence number, the depth for nested calls, `_check` / `_end_call` / `_failed_call`), and
-`label` and `record` give byte-for-byte what `Call.describe()` and `Comm._record` give, from
-caches: the label's text without the sequence number is the same for every repeat of a call,
-and a `Record` is filled from its field values without the frozen dataclass's `__init__` (nine
-`object.__setattr__` calls, ~1.5 us; a Record is a plain frozen dataclass with no
-`__post_init__`, so the two are equal field by field). tests/mpi/test_lean_calls.py checks both
-against the originals.
+the sequence number, the ledger label, the depth for nested calls, `_check` / `_end_call` /
+`_failed_call`), and `label` gives byte-for-byte what `Call.describe()` gives, from a cache: the
+label's text without the sequence number is the same for every repeat of a call. The ledger's
+records are `Comm._record`'s (cached Records, shared by both backends).
+tests/emulator/test_mpi_call.py checks both against the originals.
 """
 
 from __future__ import annotations
@@ -19,9 +17,6 @@ import functools
 import numpy as np
 
 from .comm import P2P, Call, _dtype_name
-from .ledger import Record
-
-_new = object.__new__
 
 
 class OpenCall:
@@ -101,21 +96,3 @@ def label(call: Call) -> str:
     except TypeError:  # an unhashable field (never from collectives.api): the plain text
         return call.describe()
     return f"{call.op}#{call.seq}{rest}"
-
-
-def record(state, group: str, peer: int, direction: str, nbytes: int) -> None:
-    """Comm._record's Record (same fields, same values), appended to the rank's ledger."""
-    call = state.current
-    state.progress += 1
-    ledger = state.ledger
-    rec = _new(Record)
-    d = rec.__dict__
-    if call is None:
-        d["op"], d["algorithm"] = "p2p", ""
-    else:
-        d["op"], d["algorithm"] = call.op, call.algorithm
-    d["group"], d["peer"], d["direction"], d["nbytes"] = group, peer, direction, int(nbytes)
-    d["step"] = ledger.step
-    d["tag"] = "/".join(state.tags) if state.tags else ""
-    d["seq"] = -1 if call is None else call.seq
-    ledger.records.append(rec)
