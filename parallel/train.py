@@ -51,7 +51,7 @@ from parallel.pipeline.executor import run_schedule, split_layers, stage_param_n
 from parallel.pipeline.schedules import make_schedule
 from parallel.tensor.block import megatron_plan
 from parallel.tensor.sequence import reduce_partial_grads
-from parallel.tensor.shard import shard, unshard
+from parallel.tensor.shard import shard, unshard_once
 from parallel.tensor.train import replica_mismatch
 
 AXIS_TAGS = {"dp": ("dp/grads", "dp/params"), "tp": ("tp/",), "pp": ("pp/",), "clip": ("dp/clip",)}
@@ -93,17 +93,23 @@ def axis_bytes(ledger, records, tags=AXIS_TAGS) -> dict:
     """Bytes this rank sent in ``records``, by axis (the tag prefixes of AXIS_TAGS); traffic
     under no axis's tag - none in a correct run - is added as "untagged"."""
     out, other = dict.fromkeys(tags, 0), 0
-    cp = any(CP_TAG in r.tag for r in records)
-    out |= {"cp": 0} if cp else {}
+    # a step has hundreds of records but a few dozen tags: each tag's axis is decided once
+    sent: dict = {}  # tag -> bytes sent under it
     for r in records:
-        if r.direction != "send":
-            continue
-        axis = "cp" if cp and CP_TAG in r.tag else None
-        axis = axis or next((a for a, pre in tags.items() if r.tag.startswith(pre)), None)
+        tag = r.tag
+        if r.direction == "send":
+            sent[tag] = sent.get(tag, 0) + r.nbytes
+        elif tag not in sent:
+            sent[tag] = 0  # a tag seen only in receives still marks a cp run (below)
+    cp = any(CP_TAG in tag for tag in sent)
+    out |= {"cp": 0} if cp else {}
+    for tag, nbytes in sent.items():
+        axis = "cp" if cp and CP_TAG in tag else None
+        axis = axis or next((a for a, pre in tags.items() if tag.startswith(pre)), None)
         if axis is None:
-            other += r.nbytes
+            other += nbytes
         else:
-            out[axis] += r.nbytes
+            out[axis] += nbytes
     return out | ({"untagged": other} if other else {})
 
 
@@ -214,11 +220,11 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
         run.local_opt = {"m": opt.m, "v": opt.v} if opt is not None else {}
         every = tp.allgather_object((lp, lg))  # uncounted: the check, not the training
         # every tp rank computes the replicated tensors identically: their copies agree bitwise
-        run.replica_mismatch = replica_mismatch(every, plan) if lg else []
+        run.replica_mismatch = replica_mismatch(every, plan, tp) if lg else []
         # and over each data-parallel part's group (dp (x cp); ep runs: the experts over edp)
         run.replica_mismatch += axis.replica_mismatch()
-        stage_p = unshard([e[0] for e in every], plan)
-        stage_g = unshard([e[1] for e in every], plan) if lg else {}
+        stage_p = unshard_once(tp, [e[0] for e in every], plan)  # once per tp group
+        stage_g = unshard_once(tp, [e[1] for e in every], plan) if lg else {}
         if ep is not None:  # the experts back to E along axis 0, ep coordinates in order
             stage_p, stage_g = nd_ep.unshard_experts(ep, stage_p, stage_g)
         for part_p, part_g in pp.allgather_object((stage_p, stage_g)):
