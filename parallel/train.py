@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from emulator import scope
+from emulator import affinity, scope
 from emulator.data import shard_batch, split_microbatches
 from emulator.guards import check_finite, check_training
 from emulator.model import check_inputs
@@ -113,18 +113,46 @@ def axis_bytes(ledger, records, tags=AXIS_TAGS) -> dict:
     return out | ({"untagged": other} if other else {})
 
 
+def block_flops(cfg, layout, shape) -> float:
+    """GEMM FLOPs of one block's forward for one micro-batch on one rank: 2 m (4 H^2 + 2 H F) / t
+    for m = the rank's tokens of a micro-batch of the global batch ``shape`` (B, S)."""
+    B, S = shape
+    m = B // (layout.dp * layout.microbatches) * (S // layout.cp)
+    H, F = cfg.d_model, cfg.d_ff
+    return 2.0 * m * (4 * H * H + 2 * H * F) / layout.tp
+
+
+# Below this block_flops the rank threads share one core (emulator/affinity.py). Measured on the
+# 2-core machine: at 3-13 M (every layout of bench layouts' small size, H 64, S 32) one core
+# gives 0.6-0.85x the wall and 0.5-0.6x the CPU of two; at 50-100 M (H 128, S 64: the 3-D and
+# tp4 rows) two cores win, 1.15-1.33x against 1.48-1.55x the reference's wall.
+ONE_CORE_FLOPS = 25e6
+
+
 def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
-          weight_decay=0.0, max_norm=None, groups_fn=None, params=None, sizes=None) -> NDRun:  # fmt: skip
+          weight_decay=0.0, max_norm=None, groups_fn=None, params=None, sizes=None,
+          one_core=None) -> NDRun:  # fmt: skip
     """Train ``layout`` on comm's ranks (call on every rank). ``layout.dtype`` is the run's
     dtype (it replaces cfg.dtype). groups_fn(step, microbatch, b, S): MoE routing groups of a
     global micro-batch, as reference_train's; params: full-shape initial parameters (default
-    init_params(cfg, seed)); sizes: explicit blocks per virtual stage."""
+    init_params(cfg, seed)); sizes: explicit blocks per virtual stage. one_core: run this
+    rank's thread on one core (virtual ranks only: emulator/affinity.py); None = when the
+    per-rank work is small (block_flops < ONE_CORE_FLOPS)."""
     check_training("parallel.train", steps=steps, microbatches=layout.microbatches, lr=lr,
                    betas=betas, eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
     cfg = dataclasses.replace(cfg, dtype=layout.dtype)
     get = batches if callable(batches) else batches.__getitem__
     checked = check_inputs(*get(0), cfg)[0].shape  # the batch shape validated for
     layout.validate(comm.world_size, cfg, checked)
+    small = block_flops(cfg, layout, checked) < ONE_CORE_FLOPS if one_core is None else one_core
+    with affinity.one_core(comm, small):
+        return _train(comm, layout, cfg, get, checked, steps, seed, lr=lr, betas=betas, eps=eps,
+                      weight_decay=weight_decay, max_norm=max_norm, groups_fn=groups_fn,
+                      params=params, sizes=sizes)  # fmt: skip
+
+
+def _train(comm, layout, cfg, get, checked, steps, seed, *, lr, betas, eps, weight_decay,
+           max_norm, groups_fn, params, sizes) -> NDRun:  # fmt: skip
     mesh = layout.mesh(comm)
     dp, pp, tp, m = mesh["dp"], mesh["pp"], mesh["tp"], layout.microbatches
     C = layout.cp
