@@ -20,7 +20,11 @@ step against `close`); a point-to-point sender appends without it (that channel 
 Only the owning rank waits on the condition, so `notify()` wakes exactly the one waiter, and a
 sender notifies only while the owner may sleep (`sleeping`): the owner sets it under the lock
 before its last look at the queue, so a sender that appends after that look sees the flag and
-takes the lock to notify - which it gets only once the owner is inside `cond.wait`.
+takes the lock to notify - which it gets only once the owner is inside `cond.wait`. The
+notifier clears the flag under the lock: the owner is woken, and sets it again before its next
+look, so the senders that append until then skip a notify (`Condition.notify` is Python, and
+while a woken owner waits for the GIL, a ring's later messages found it still flagged: 5,600
+notifies for 2,187 sleeps in 500 4-rank all-gathers).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class Mailbox:
     def notify(self) -> None:
         """A lock-free sender appended while the owner may sleep: wake it."""
         with self.lock:
+            self.sleeping = False  # woken: later senders need not notify (see the docstring)
             self.cond.notify()
 
     # -- the message path ---------------------------------------------------------------------
@@ -83,6 +88,7 @@ class Mailbox:
                 else:
                     q.append(msg)
                 if self.sleeping:
+                    self.sleeping = False
                     self.cond.notify()
                 return
         call = comm.state.current

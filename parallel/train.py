@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from emulator import scope
+from emulator import affinity, scope
 from emulator.data import shard_batch, split_microbatches
 from emulator.guards import check_finite, check_training
 from emulator.model import check_inputs
@@ -51,7 +51,7 @@ from parallel.pipeline.executor import run_schedule, split_layers, stage_param_n
 from parallel.pipeline.schedules import make_schedule
 from parallel.tensor.block import megatron_plan
 from parallel.tensor.sequence import reduce_partial_grads
-from parallel.tensor.shard import shard, unshard
+from parallel.tensor.shard import shard, unshard_once
 from parallel.tensor.train import replica_mismatch
 
 AXIS_TAGS = {"dp": ("dp/grads", "dp/params"), "tp": ("tp/",), "pp": ("pp/",), "clip": ("dp/clip",)}
@@ -93,32 +93,66 @@ def axis_bytes(ledger, records, tags=AXIS_TAGS) -> dict:
     """Bytes this rank sent in ``records``, by axis (the tag prefixes of AXIS_TAGS); traffic
     under no axis's tag - none in a correct run - is added as "untagged"."""
     out, other = dict.fromkeys(tags, 0), 0
-    cp = any(CP_TAG in r.tag for r in records)
-    out |= {"cp": 0} if cp else {}
+    # a step has hundreds of records but a few dozen tags: each tag's axis is decided once
+    sent: dict = {}  # tag -> bytes sent under it
     for r in records:
-        if r.direction != "send":
-            continue
-        axis = "cp" if cp and CP_TAG in r.tag else None
-        axis = axis or next((a for a, pre in tags.items() if r.tag.startswith(pre)), None)
+        tag = r.tag
+        if r.direction == "send":
+            sent[tag] = sent.get(tag, 0) + r.nbytes
+        elif tag not in sent:
+            sent[tag] = 0  # a tag seen only in receives still marks a cp run (below)
+    cp = any(CP_TAG in tag for tag in sent)
+    out |= {"cp": 0} if cp else {}
+    for tag, nbytes in sent.items():
+        axis = "cp" if cp and CP_TAG in tag else None
+        axis = axis or next((a for a, pre in tags.items() if tag.startswith(pre)), None)
         if axis is None:
-            other += r.nbytes
+            other += nbytes
         else:
-            out[axis] += r.nbytes
+            out[axis] += nbytes
     return out | ({"untagged": other} if other else {})
 
 
+def block_flops(cfg, layout, shape) -> float:
+    """GEMM FLOPs of one block's forward for one micro-batch on one rank: 2 m (4 H^2 + 2 H F) / t
+    for m = the rank's tokens of a micro-batch of the global batch ``shape`` (B, S)."""
+    B, S = shape
+    m = B // (layout.dp * layout.microbatches) * (S // layout.cp)
+    H, F = cfg.d_model, cfg.d_ff
+    return 2.0 * m * (4 * H * H + 2 * H * F) / layout.tp
+
+
+# Below this block_flops the rank threads share one core (emulator/affinity.py). Measured on the
+# 2-core machine: at 3-13 M (every layout of bench layouts' small size, H 64, S 32) one core
+# gives 0.6-0.85x the wall and 0.5-0.6x the CPU of two; at 50-100 M (H 128, S 64: the 3-D and
+# tp4 rows) two cores win, 1.15-1.33x against 1.48-1.55x the reference's wall.
+ONE_CORE_FLOPS = 25e6
+
+
 def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
-          weight_decay=0.0, max_norm=None, groups_fn=None, params=None, sizes=None) -> NDRun:  # fmt: skip
+          weight_decay=0.0, max_norm=None, groups_fn=None, params=None, sizes=None,
+          one_core=None) -> NDRun:  # fmt: skip
     """Train ``layout`` on comm's ranks (call on every rank). ``layout.dtype`` is the run's
     dtype (it replaces cfg.dtype). groups_fn(step, microbatch, b, S): MoE routing groups of a
     global micro-batch, as reference_train's; params: full-shape initial parameters (default
-    init_params(cfg, seed)); sizes: explicit blocks per virtual stage."""
+    init_params(cfg, seed)); sizes: explicit blocks per virtual stage. one_core: run this
+    rank's thread on one core (virtual ranks only: emulator/affinity.py); None = when the
+    per-rank work is small (block_flops < ONE_CORE_FLOPS)."""
     check_training("parallel.train", steps=steps, microbatches=layout.microbatches, lr=lr,
                    betas=betas, eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
     cfg = dataclasses.replace(cfg, dtype=layout.dtype)
     get = batches if callable(batches) else batches.__getitem__
     checked = check_inputs(*get(0), cfg)[0].shape  # the batch shape validated for
     layout.validate(comm.world_size, cfg, checked)
+    small = block_flops(cfg, layout, checked) < ONE_CORE_FLOPS if one_core is None else one_core
+    with affinity.one_core(comm, small):
+        return _train(comm, layout, cfg, get, checked, steps, seed, lr=lr, betas=betas, eps=eps,
+                      weight_decay=weight_decay, max_norm=max_norm, groups_fn=groups_fn,
+                      params=params, sizes=sizes)  # fmt: skip
+
+
+def _train(comm, layout, cfg, get, checked, steps, seed, *, lr, betas, eps, weight_decay,
+           max_norm, groups_fn, params, sizes) -> NDRun:  # fmt: skip
     mesh = layout.mesh(comm)
     dp, pp, tp, m = mesh["dp"], mesh["pp"], mesh["tp"], layout.microbatches
     C = layout.cp
@@ -214,11 +248,11 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
         run.local_opt = {"m": opt.m, "v": opt.v} if opt is not None else {}
         every = tp.allgather_object((lp, lg))  # uncounted: the check, not the training
         # every tp rank computes the replicated tensors identically: their copies agree bitwise
-        run.replica_mismatch = replica_mismatch(every, plan) if lg else []
+        run.replica_mismatch = replica_mismatch(every, plan, tp) if lg else []
         # and over each data-parallel part's group (dp (x cp); ep runs: the experts over edp)
         run.replica_mismatch += axis.replica_mismatch()
-        stage_p = unshard([e[0] for e in every], plan)
-        stage_g = unshard([e[1] for e in every], plan) if lg else {}
+        stage_p = unshard_once(tp, [e[0] for e in every], plan)  # once per tp group
+        stage_g = unshard_once(tp, [e[1] for e in every], plan) if lg else {}
         if ep is not None:  # the experts back to E along axis 0, ep coordinates in order
             stage_p, stage_g = nd_ep.unshard_experts(ep, stage_p, stage_g)
         for part_p, part_g in pp.allgather_object((stage_p, stage_g)):

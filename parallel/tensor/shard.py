@@ -23,6 +23,7 @@ import dataclasses
 
 import numpy as np
 
+from emulator.affinity import shares_memory
 from emulator.ledger import format_table
 
 KINDS = ("replicate", "col", "row", "vocab", "experts", "seq")
@@ -94,7 +95,8 @@ def shard_one(x: np.ndarray, p: Placement, rank: int, R: int, name: str = "tenso
         return np.array(x, copy=True)
     a = _axis(p, x.ndim, name)
     n = x.shape[a] // R
-    return np.ascontiguousarray(np.take(x, np.arange(rank * n, (rank + 1) * n), axis=a))
+    block = x[(slice(None),) * a + (slice(rank * n, (rank + 1) * n),)]  # a view: one copy below
+    return np.array(block, copy=True, order="C")
 
 
 def shard(params: dict, plan: dict, rank: int, R: int) -> dict:
@@ -123,6 +125,21 @@ def unshard(shards: list, plan: dict, *, check_replicas: bool = False) -> dict:
                 raise ValueError(f"unshard: replicas of {name} differ across ranks")
             out[name] = np.array(parts[0], copy=True)
     return out
+
+
+def unshard_once(group, shards: list, plan: dict) -> dict:
+    """``unshard(shards, plan)`` on every rank of ``group``, given every group rank's shards in
+    group order. Where the ranks share one address space (virtual ranks: ``shares_memory``)
+    rank i joins only the tensors i, i + R, ... and the parts are exchanged as objects
+    (uncounted), so the group does the work once instead of R times; the full arrays are then
+    shared by the group's ranks (as any allgather_object's are). Elsewhere each rank unshards:
+    an object sent to another process is copied anyway."""
+    if not shares_memory(group) or group.size == 1:
+        return unshard(shards, plan)
+    names, R = list(shards[0]), group.size
+    mine = unshard([{n: s[n] for n in names[group.rank :: R]} for s in shards], plan)
+    parts = group.allgather_object(mine)
+    return {n: parts[i % R][n] for i, n in enumerate(names)}
 
 
 def describe(plan: dict, shapes: dict, R: int) -> str:

@@ -20,6 +20,7 @@ import dataclasses
 import numpy as np
 
 from emulator import Mesh, scope
+from emulator.affinity import shares_memory
 from emulator.data import split_microbatches
 from emulator.guards import check_finite, check_training
 from emulator.model import check_inputs, init_params, to_compute
@@ -32,7 +33,7 @@ from parallel.pipeline.schedules import make_schedule
 from parallel.tensor.block import check_tp, megatron_plan
 from parallel.tensor.dp import DataParallelSync
 from parallel.tensor.sequence import reduce_partial_grads
-from parallel.tensor.shard import shard, unshard
+from parallel.tensor.shard import shard, unshard_once
 
 
 class _TPHooks(Hooks):
@@ -72,17 +73,26 @@ class TPRun:
     replica_mismatch: list  # "param/grad <name>" of replicated tensors whose tp copies differ
 
 
-def replica_mismatch(every: list, plan: dict) -> list[str]:
+def replica_mismatch(every: list, plan: dict, group=None) -> list[str]:
     """every: [(params, grads) of each tp rank] -> the replicated tensors whose copies are not
     bitwise equal. Every rank computes them from the same full activations (or sums the SP
     partials with one all-reduce) and steps them with the same AdamW, so they agree exactly; a
-    rank that skips or repeats an update of its copy shows here whatever the dtype."""
+    rank that skips or repeats an update of its copy shows here whatever the dtype.
+    ``group``: the tp group every rank of which calls this with the same ``every``; on virtual
+    ranks (``shares_memory``) rank i compares every R-th tensor and the findings are gathered
+    (uncounted), so the group compares each tensor once, not R times."""
+    split = group is not None and shares_memory(group) and group.size > 1
+    part, R = (group.rank, group.size) if split else (0, 1)
     bad = []
     for i, what in enumerate(("param", "grad")):
-        for n, x in every[0][i].items():
-            if not plan[n].sharded and any(not np.array_equal(x, e[i][n]) for e in every[1:]):
-                bad.append(f"{what} {n}")
-    return bad
+        for j, (n, x) in enumerate(every[0][i].items()):
+            if j % R != part or plan[n].sharded:
+                continue
+            if any(not np.array_equal(x, e[i][n]) for e in every[1:]):
+                bad.append((i, j, f"{what} {n}"))
+    if split:  # the findings of every rank, in the order one rank would have found them
+        bad = sorted(b for found in group.allgather_object(bad) for b in found)
+    return [label for _, _, label in bad]
 
 
 def tp_train(mesh, cfg, seed, batches, steps, *, sequence_parallel=False, regather=True,
@@ -152,12 +162,12 @@ def tp_train(mesh, cfg, seed, batches, steps, *, sequence_parallel=False, regath
     master, grads = sync.full_state()
     grads = acc if grads is None else grads
     every = tp.allgather_object((master, grads))  # uncounted: the check, not the training
-    full_p = unshard([e[0] for e in every], plan)
-    full_g = unshard([e[1] for e in every], plan)
+    full_p = unshard_once(tp, [e[0] for e in every], plan)
+    full_g = unshard_once(tp, [e[1] for e in every], plan)
     if sync.dp is not None:  # every micro-batch, in the reference's order (d k + j)
         per_dp = sync.dp.allgather_object(routing)
         routing = [[mb for d in per_dp for mb in d[step]] for step in range(steps)]
-    bad = replica_mismatch(every, plan)
+    bad = replica_mismatch(every, plan, tp)
     run = TPRun(losses, norms, full_g, full_p, grads, act, mem.snapshot(), routing, bad)
     sync.close()  # free the dp engine's memory entries: another run may follow on these ranks
     return run

@@ -1,0 +1,70 @@
+"""Where virtual ranks run: all on one core while their work is too small to overlap.
+
+P virtual ranks are P threads under one GIL, so only one runs Python at a time; a second core
+helps only while a rank is inside a GIL-free call (a BLAS matmul, a large NumPy loop). What it
+costs is a hand-off between cores each time a rank blocks on a message or takes the GIL back
+from NumPy: a futex wake of a thread on the other core, often idle, plus the caches. Measured
+on the 2-core machine (docs/performance.md, "TP / SP / CP at the small size, fourth pass"):
+4 ranks doing 300 tiny all-gathers took 154 ms CPU and wall on two cores and 71 ms on one; a
+tp4 step at the small size (H 64, S 32) 182 ms CPU on two cores and 100 ms on one, 2.57x the
+single-rank step's wall on two and 2.18x on one; at H 128, S 64 two cores win (1.15x against
+1.55x), because there the matmuls overlap.
+
+So a training program that knows its per-rank work is small runs its rank threads on one core
+(`one_core`), and gives the cores back at its end. Only virtual ranks (threads of this process,
+`shares_memory`): an MPI rank is a process of its own, and pinning every one to the same
+core would serialise the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+
+@contextlib.contextmanager
+def one_core(comm, enabled: bool = True):
+    """Run the calling rank's thread on one core until the block ends, when ``enabled`` and
+    comm's ranks are threads of this process; else change nothing. Yields whether it pinned.
+    Call on every rank of ``comm`` with the same ``enabled``: the ranks agree (an uncounted
+    control-plane gather) on the core rank 0 runs on now - the one the scheduler found free,
+    rather than a fixed one another job may hold."""
+    before = _allowed() if enabled and shares_memory(comm) else None
+    if not before or len(before) < 2:  # the same on every rank: threads inherit the set
+        yield False
+        return
+    core = comm.allgather_object(_running_on(before))[0]
+    os.sched_setaffinity(0, {core})  # 0: the calling thread (Linux)
+    try:
+        yield True
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def shares_memory(comm) -> bool:
+    """True if comm's ranks are threads of this process (virtual ranks): an object passed
+    through its control plane is then shared, not copied."""
+    from .local import VirtualComm  # here: local.py's imports reach most of the emulator
+
+    return isinstance(comm, VirtualComm)
+
+
+def _allowed() -> set | None:
+    """The cores this thread may run on, or None where the platform cannot set them."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    try:
+        return os.sched_getaffinity(0)
+    except OSError:
+        return None
+
+
+def _running_on(allowed: set) -> int:
+    """The core the calling thread last ran on (/proc: field 39 of its stat), else the lowest
+    allowed one."""
+    try:
+        with open("/proc/thread-self/stat") as f:
+            core = int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return min(allowed)
+    return core if core in allowed else min(allowed)
