@@ -113,6 +113,11 @@ class DDP:
             out.update(lay.views(self.reduced[lay.index]))
         return out
 
+    def flats(self) -> list:
+        """The summed bucket buffers in bucket order (what finish() returns views into)."""
+        self.finish()  # the same check: every bucket all-reduced
+        return [self.reduced[lay.index] for lay in self.layouts]
+
     def zero_grad(self) -> None:
         self.acc = GradAccumulator(self.layouts, self.dtype)
         self.reduced, self.events = {}, []

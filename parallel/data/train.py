@@ -14,14 +14,14 @@ import dataclasses
 from emulator.data import shard_batch, split_microbatches
 from emulator.guards import check_finite, check_training
 from emulator.model import check_inputs, to_compute
-from emulator.optim import AdamW
 from emulator.precision import compute_dtype
 from emulator.shared_init import shared_init_params
 from parallel.clip import clip_
 from parallel.data.common import loss_scales
 from parallel.data.ddp import DDP
-from parallel.data.flat import fsdp_units
+from parallel.data.flat import fsdp_units, make_buckets
 from parallel.data.fsdp import FSDPHooks, ReplicatedHooks
+from parallel.data.replica import BucketAdamW
 from parallel.data.zero import ZeroOptimizer, check_stage
 from parallel.pipeline.executor import OneStage, run_schedule
 from parallel.pipeline.schedules import make_schedule
@@ -74,10 +74,13 @@ def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microba
     # same seed on every rank: identical replicas; drawn once per virtual world, read-only
     params = shared_init_params(comm, cfg, seed)
     statics = []  # (category, name) allocated here (DDP: the replicated model and AdamW)
-    if stage == "ddp":  # the replica is updated in place: this rank's own copy
-        params = {n: p.copy() for n, p in params.items()}
+    if stage == "ddp":  # the replica is updated in place: this rank's own copy, laid out in
+        # the buckets' flat buffers so AdamW runs per bucket (parallel/data/replica.py)
+        shapes = {n: p.shape for n, p in params.items()}
+        layouts = make_buckets(shapes, comm.size, bucket_cap_mb, compute_dtype(cfg.dtype).itemsize)
+        opt = BucketAdamW(layouts, params, **hyper)
+        params = opt.params
         engine = DDP(comm, params, bucket_cap_mb=bucket_cap_mb, dtype=cfg.dtype, mem=mem)
-        opt = AdamW(params, **hyper)
         statics.append(("params", "master", sum(p.nbytes for p in params.values())))
         if cfg.dtype == "mixed":  # the bf16 compute copy: Psi c
             c = compute_dtype(cfg.dtype).itemsize
@@ -155,7 +158,7 @@ def _step(comm, cfg, engine, opt, params, run, step, batches, k, groups_fn, max_
         run.grads = {n: g.copy() for n, g in grads.items()}
         # DDP grads are already summed (replicated) over dp: no group to reduce over
         run.grad_norms.append(clip_(grads, max_norm, (), tag="dp/clip")[0])
-        opt.step(params, grads)
+        opt.step(engine.flats())  # the clipped grads: views of these buffers
         engine.zero_grad()
     else:
         run.grad_norms.append(engine.step())

@@ -1,5 +1,6 @@
 """emulator/heap.py: with its settings on, a second round of the same arrays reuses the first
-round's pages (no page faults) - on the main thread, and on new threads (virtual ranks) that each
+round's pages (no page faults) - on the main thread, when the freed top of the heap is over a
+GiB (the trim threshold is off, not just high), and on new threads (virtual ranks) that each
 allocate and free more than one 64 MiB arena heap's worth; with glibc's defaults
 (DISTEMU_KEEP_HEAP=0) the pages fault back in. Counted by the kernel (getrusage minor faults) in
 fresh processes, since mallopt is per process. Linux + glibc only."""
@@ -49,6 +50,12 @@ def one_round():  # 4 new threads (as a spawn starts), each 24 x 4 MiB arrays, a
     return 4 * 24 * (1 << 22)
 """
 
+OVER_A_GIB = """
+def one_round():  # 1.25 GiB of arrays freed at once: the heap's top over a 1 GiB trim threshold
+    arrays = [np.ones(1 << 19) for _ in range(320)]  # (a dp2 x ep2 spawn at H 256 frees 1.9 GiB)
+    return sum(a.nbytes for a in arrays)
+"""
+
 
 def _round(one_round: str, keep: str) -> dict:
     env = dict(os.environ, DISTEMU_KEEP_HEAP=keep)
@@ -81,3 +88,9 @@ def test_threads_fault_pages_back_in_with_glibc_defaults():
     got = _round(THREADS, "0")
     assert got["kept"] is False
     assert got["faults"] > got["pages"] // 20, got  # measured 10-50% of them
+
+
+def test_a_heap_top_over_a_gib_is_kept():
+    got = _round(OVER_A_GIB, "1")  # a finite trim threshold hands it back and faults it in again
+    assert got["kept"] is True
+    assert got["faults"] < got["pages"] // 100, got  # 327,680 pages

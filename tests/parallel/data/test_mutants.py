@@ -12,7 +12,7 @@ from collectives import cost
 from emulator.check import compare_replicas
 from emulator.guards import NonFiniteError
 from emulator.model import init_params, n_params
-from emulator.optim import AdamW, adamw_update
+from emulator.optim import adamw_update
 from emulator.rank import current_state
 from parallel.check.data import compare_dp
 from parallel.data import common as dp_common
@@ -20,6 +20,7 @@ from parallel.data import train as dp_train
 from parallel.data import zero as zero_mod
 from parallel.data.cost import init_broadcast_bytes
 from parallel.data.ddp import DDP
+from parallel.data.replica import BucketAdamW
 from parallel.data.train import train_data_parallel
 
 from .helpers import OPT, assert_matches, run_both, tiny
@@ -29,14 +30,14 @@ def test_a_ddp_rank_that_skips_its_last_step_fails_the_replica_check(monkeypatch
     """Rank 1 of 4 skips its last AdamW step. Rank 0's run still equals the reference (the
     former check, compare_dp on runs[0] only, passed); the replica check names rank 1."""
 
-    class SkipLast(AdamW):
-        def step(self, params, grads):
+    class SkipLast(BucketAdamW):  # DDP's AdamW (per bucket: parallel/data/replica.py)
+        def step(self, grad_flats):
             if current_state().rank == 1 and self.step_count == 2:  # the 3rd and last step
                 self.step_count += 1
                 return
-            super().step(params, grads)
+            super().step(grad_flats)
 
-    monkeypatch.setattr(dp_train, "AdamW", SkipLast)
+    monkeypatch.setattr(dp_train, "BucketAdamW", SkipLast)
     cfg = tiny()
     runs, ref = run_both(cfg, 4, stage="ddp", microbatches=2, steps=3)
     assert not compare_dp(runs[0], ref, "float64")[1]  # rank 0 alone looks right

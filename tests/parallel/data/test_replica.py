@@ -1,0 +1,49 @@
+"""parallel/data/replica.py: AdamW per DDP bucket is emulator.optim.AdamW, bitwise - the same
+parameters and moments, in parameter order, with several buckets, padding, weight decay and bf16
+gradients - and the padding stays zero."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from emulator.optim import AdamW
+from parallel.data.flat import make_buckets
+from parallel.data.replica import BucketAdamW
+
+SHAPES = {"emb": (13, 8), "w": (8, 24), "b": (24,), "ln": (8,), "head": (8, 13)}
+
+
+@pytest.mark.parametrize("dtype, gdtype", [(np.float64, np.float64), (np.float32, np.float32),
+                                           (np.float32, ml_dtypes.bfloat16)])  # fmt: skip
+def test_bucket_adamw_is_adamw_bitwise(dtype, gdtype):
+    rng = np.random.default_rng(0)
+    params = {n: rng.standard_normal(s).astype(dtype) for n, s in SHAPES.items()}
+    layouts = make_buckets(SHAPES, 3, 600 / 2**20, np.dtype(gdtype).itemsize)  # several, padded
+    assert len(layouts) > 1 and any(lay.padding for lay in layouts)
+    hyper = {"lr": 0.01, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.1}
+    flat = BucketAdamW(layouts, params, **hyper)
+    ref_p = {n: p.copy() for n, p in params.items()}
+    ref = AdamW(ref_p, **hyper)
+    for _ in range(3):
+        grads = {n: rng.standard_normal(s).astype(gdtype) for n, s in SHAPES.items()}
+        ref.step(ref_p, grads)
+        flat.step([lay.flatten(grads, gdtype) for lay in layouts])
+    assert list(flat.params) == list(flat.m) == list(flat.v) == list(SHAPES)
+    for n in SHAPES:
+        for got, want in ((flat.params, ref_p), (flat.m, ref.m), (flat.v, ref.v)):
+            assert got[n].dtype == want[n].dtype and got[n].shape == want[n].shape
+            assert got[n].tobytes() == want[n].tobytes(), n
+    assert flat.step_count == ref.step_count == 3 and flat.nbytes() == ref.nbytes()
+    for lay, p, m in zip(layouts, flat.flats, flat.m_flats):
+        assert not p[lay.numel :].any() and not m[lay.numel :].any()  # the padding stays zero
+
+
+def test_views_write_through_and_counts_are_checked():
+    params = {n: np.ones(s) for n, s in SHAPES.items()}
+    layouts = make_buckets(SHAPES, 2, 25.0, 8)
+    flat = BucketAdamW(layouts, params)
+    flat.params["w"][...] = 2.0  # DDP's initial broadcast writes through the views
+    assert flat.flats[0][layouts[0].slot("w")].tolist() == [2.0] * 192
+    assert params["w"][0, 0] == 1.0  # a copy, not the caller's arrays
+    with pytest.raises(ValueError, match="1 buckets"):
+        flat.step([])
