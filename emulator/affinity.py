@@ -21,6 +21,20 @@ from __future__ import annotations
 import contextlib
 import os
 
+# Below this many GEMM FLOPs per block forward, rank and micro-batch (gemm_flops) a training
+# program runs its rank threads on one core. Measured on the 2-core machine: at 3-13 M (every
+# layout of bench layouts' small size, H 64, S 32) one core gives 0.6-0.85x the wall and
+# 0.5-0.6x the CPU of two; at 50-100 M (H 128, S 64: the 3-D and tp4 rows) two cores win,
+# 1.15-1.33x against 1.48-1.55x the reference's wall.
+ONE_CORE_FLOPS = 25e6
+
+
+def gemm_flops(cfg, tokens: int, tp: int = 1) -> float:
+    """GEMM FLOPs of one block's forward on ``tokens`` tokens of one rank, its linear layers
+    cut tp ways: 2 m (4 H^2 + 2 H F) / tp (attention's S x S products left out)."""
+    H, F = cfg.d_model, cfg.d_ff
+    return 2.0 * tokens * (4 * H * H + 2 * H * F) / tp
+
 
 @contextlib.contextmanager
 def one_core(comm, enabled: bool = True):

@@ -114,19 +114,12 @@ def axis_bytes(ledger, records, tags=AXIS_TAGS) -> dict:
 
 
 def block_flops(cfg, layout, shape) -> float:
-    """GEMM FLOPs of one block's forward for one micro-batch on one rank: 2 m (4 H^2 + 2 H F) / t
-    for m = the rank's tokens of a micro-batch of the global batch ``shape`` (B, S)."""
+    """GEMM FLOPs of one block's forward for one micro-batch on one rank
+    (emulator/affinity.gemm_flops) for the rank's tokens of a micro-batch of the global batch
+    ``shape`` (B, S)."""
     B, S = shape
-    m = B // (layout.dp * layout.microbatches) * (S // layout.cp)
-    H, F = cfg.d_model, cfg.d_ff
-    return 2.0 * m * (4 * H * H + 2 * H * F) / layout.tp
-
-
-# Below this block_flops the rank threads share one core (emulator/affinity.py). Measured on the
-# 2-core machine: at 3-13 M (every layout of bench layouts' small size, H 64, S 32) one core
-# gives 0.6-0.85x the wall and 0.5-0.6x the CPU of two; at 50-100 M (H 128, S 64: the 3-D and
-# tp4 rows) two cores win, 1.15-1.33x against 1.48-1.55x the reference's wall.
-ONE_CORE_FLOPS = 25e6
+    return affinity.gemm_flops(cfg, B // (layout.dp * layout.microbatches) * (S // layout.cp),
+                               layout.tp)  # fmt: skip
 
 
 def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
@@ -137,14 +130,16 @@ def train(comm, layout, cfg, batches, steps, seed=0, *, lr=1e-3, betas=(0.9, 0.9
     global micro-batch, as reference_train's; params: full-shape initial parameters (default
     init_params(cfg, seed)); sizes: explicit blocks per virtual stage. one_core: run this
     rank's thread on one core (virtual ranks only: emulator/affinity.py); None = when the
-    per-rank work is small (block_flops < ONE_CORE_FLOPS)."""
+    per-rank work is small (block_flops < affinity.ONE_CORE_FLOPS)."""
     check_training("parallel.train", steps=steps, microbatches=layout.microbatches, lr=lr,
                    betas=betas, eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
     cfg = dataclasses.replace(cfg, dtype=layout.dtype)
     get = batches if callable(batches) else batches.__getitem__
     checked = check_inputs(*get(0), cfg)[0].shape  # the batch shape validated for
     layout.validate(comm.world_size, cfg, checked)
-    small = block_flops(cfg, layout, checked) < ONE_CORE_FLOPS if one_core is None else one_core
+    small = one_core
+    if small is None:  # the rule: emulator/affinity.py
+        small = block_flops(cfg, layout, checked) < affinity.ONE_CORE_FLOPS
     with affinity.one_core(comm, small):
         return _train(comm, layout, cfg, get, checked, steps, seed, lr=lr, betas=betas, eps=eps,
                       weight_decay=weight_decay, max_norm=max_norm, groups_fn=groups_fn,

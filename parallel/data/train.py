@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
+from emulator import affinity
 from emulator.data import shard_batch, split_microbatches
 from emulator.guards import check_finite, check_training
 from emulator.model import check_inputs, to_compute
@@ -60,58 +63,71 @@ def check_layout(stage, D: int, batch: int, microbatches: int) -> str:
 def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microbatches=1,
                         lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=None,
                         bucket_cap_mb=25.0, reshard_after_forward=True, prefetch=False,
-                        groups_fn=None, recompute="none", poison_freed=False) -> DPRun:  # fmt: skip
+                        groups_fn=None, recompute="none", poison_freed=False,
+                        one_core=None) -> DPRun:  # fmt: skip
     """Train; every memory-ledger entry the run makes is freed before it returns (run.memory is
     the snapshot just before), and the ledger's peaks are reset at the start, so a program may
     call it again - any stage - and see the same figures (run.memory["peak"] is this run's).
-    ``poison_freed`` (tests): ZeRO-3 fills every freed gathered unit with NaN (ZeroOptimizer)."""
+    ``poison_freed`` (tests): ZeRO-3 fills every freed gathered unit with NaN (ZeroOptimizer).
+    ``one_core``: run this rank's thread on one core (virtual ranks only: emulator/affinity.py);
+    None = when the per-rank work is small (gemm_flops < affinity.ONE_CORE_FLOPS)."""
     stage = "ddp" if str(stage) == "ddp" else str(check_stage(stage))
     check_training("train_data_parallel", steps=steps, microbatches=microbatches, lr=lr,
                    betas=betas, eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
-    mem = comm.memory
-    mem.reset_peak()
-    hyper = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
-    # same seed on every rank: identical replicas; drawn once per virtual world, read-only
-    params = shared_init_params(comm, cfg, seed)
-    statics = []  # (category, name) allocated here (DDP: the replicated model and AdamW)
-    if stage == "ddp":  # the replica is updated in place: this rank's own copy, laid out in
-        # the buckets' flat buffers so AdamW runs per bucket (parallel/data/replica.py)
-        shapes = {n: p.shape for n, p in params.items()}
-        layouts = make_buckets(shapes, comm.size, bucket_cap_mb, compute_dtype(cfg.dtype).itemsize)
-        opt = BucketAdamW(layouts, params, **hyper)
-        params = opt.params
-        engine = DDP(comm, params, bucket_cap_mb=bucket_cap_mb, dtype=cfg.dtype, mem=mem)
-        statics.append(("params", "master", sum(p.nbytes for p in params.values())))
-        if cfg.dtype == "mixed":  # the bf16 compute copy: Psi c
-            c = compute_dtype(cfg.dtype).itemsize
-            statics.append(("params", "compute_copy", sum(p.size for p in params.values()) * c))
-        statics.append(("optimizer", "adamw", opt.nbytes()))
-        for cat, name, nbytes in statics:
-            mem.alloc(cat, name, nbytes)
-    else:
-        shapes = {n: p.shape for n, p in params.items()}
-        units = [u.names for u in fsdp_units(shapes, comm.size)] if stage == "3" else None
-        engine = ZeroOptimizer(comm, params, int(stage), dtype=cfg.dtype, max_norm=max_norm,
-                               bucket_cap_mb=bucket_cap_mb, units=units, mem=mem,
-                               poison_freed=poison_freed, **hyper)  # fmt: skip
-        opt = None
-    try:
-        run = DPRun(stage, [], [], {}, {}, {}, [], engine.layouts, {}, [], [])
-        for step in range(steps):
-            _step(comm, cfg, engine, opt, params, run, step, batches, microbatches, groups_fn,
-                  max_norm, reshard_after_forward, prefetch, recompute)  # fmt: skip
-        if stage == "ddp":
-            run.params = {n: p.copy() for n, p in params.items()}
-            run.opt_state = {"step": opt.step_count, "m": opt.m, "v": opt.v}
+    first = batches(0) if callable(batches) else batches[0]
+    B, S = np.shape(first[0])  # one_core: virtual ranks with little work share a core
+    small = one_core
+    if small is None:  # the rule: emulator/affinity.py
+        small = (
+            affinity.gemm_flops(cfg, B // (comm.size * microbatches) * S) < affinity.ONE_CORE_FLOPS
+        )
+    with affinity.one_core(comm, small):
+        mem = comm.memory
+        mem.reset_peak()
+        hyper = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        # same seed on every rank: identical replicas; drawn once per virtual world, read-only
+        params = shared_init_params(comm, cfg, seed)
+        statics = []  # (category, name) allocated here (DDP: the replicated model and AdamW)
+        if stage == "ddp":  # the replica is updated in place: this rank's own copy, laid out in
+            # the buckets' flat buffers so AdamW runs per bucket (parallel/data/replica.py)
+            shapes = {n: p.shape for n, p in params.items()}
+            layouts = make_buckets(
+                shapes, comm.size, bucket_cap_mb, compute_dtype(cfg.dtype).itemsize
+            )
+            opt = BucketAdamW(layouts, params, **hyper)
+            params = opt.params
+            engine = DDP(comm, params, bucket_cap_mb=bucket_cap_mb, dtype=cfg.dtype, mem=mem)
+            statics.append(("params", "master", sum(p.nbytes for p in params.values())))
+            if cfg.dtype == "mixed":  # the bf16 compute copy: Psi c
+                c = compute_dtype(cfg.dtype).itemsize
+                statics.append(("params", "compute_copy", sum(p.size for p in params.values()) * c))
+            statics.append(("optimizer", "adamw", opt.nbytes()))
+            for cat, name, nbytes in statics:
+                mem.alloc(cat, name, nbytes)
         else:
-            run.grads = engine.full_grads()
-            run.params, run.opt_state = engine.master_params(), engine.state_dict()
-        run.memory = mem.snapshot()
-        return run
-    finally:  # free what this run allocated, even on an error
-        engine.close()
-        for cat, name, _ in statics:
-            mem.free(cat, name)
+            shapes = {n: p.shape for n, p in params.items()}
+            units = [u.names for u in fsdp_units(shapes, comm.size)] if stage == "3" else None
+            engine = ZeroOptimizer(comm, params, int(stage), dtype=cfg.dtype, max_norm=max_norm,
+                                   bucket_cap_mb=bucket_cap_mb, units=units, mem=mem,
+                                   poison_freed=poison_freed, **hyper)  # fmt: skip
+            opt = None
+        try:
+            run = DPRun(stage, [], [], {}, {}, {}, [], engine.layouts, {}, [], [])
+            for step in range(steps):
+                _step(comm, cfg, engine, opt, params, run, step, batches, microbatches, groups_fn,
+                      max_norm, reshard_after_forward, prefetch, recompute)  # fmt: skip
+            if stage == "ddp":
+                run.params = {n: p.copy() for n, p in params.items()}
+                run.opt_state = {"step": opt.step_count, "m": opt.m, "v": opt.v}
+            else:
+                run.grads = engine.full_grads()
+                run.params, run.opt_state = engine.master_params(), engine.state_dict()
+            run.memory = mem.snapshot()
+            return run
+        finally:  # free what this run allocated, even on an error
+            engine.close()
+            for cat, name, _ in statics:
+                mem.free(cat, name)
 
 
 def _step(comm, cfg, engine, opt, params, run, step, batches, k, groups_fn, max_norm,

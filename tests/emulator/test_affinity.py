@@ -8,11 +8,11 @@ import pytest
 
 import emulator
 import parallel
-from emulator.affinity import one_core, shares_memory
+from emulator.affinity import ONE_CORE_FLOPS, one_core, shares_memory
 from emulator.data import synthetic_batch
 from emulator.model import ModelConfig
 from parallel.layout import Layout
-from parallel.train import ONE_CORE_FLOPS, block_flops
+from parallel.train import block_flops
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
