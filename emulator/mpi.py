@@ -91,6 +91,8 @@ class MPIComm(Comm):
         only for the timeout's message: most waits end at the first poll)."""
         if done():  # the common case: already there, no closures
             return
+        if self.world.unposted is not None:  # the open call's label goes out before any wait
+            self._post_label()
 
         def ready() -> bool:  # a wait inside a collective also advances its check
             if done():
@@ -129,6 +131,8 @@ class MPIComm(Comm):
             buf = np.array(array, copy=True, order="C").reshape(-1).view(np.uint8)
         self.world.pending.append((self.mpi.Isend(buf, dest=dst, tag=self._tag(channel)), buf))
         self.world.prune()
+        if self.world.unposted is not None:
+            self._post_label()
         self.traffic.sent_n[dst] += 1
         self.traffic.sent_b[dst] += array.nbytes
 
@@ -237,6 +241,8 @@ class MPIComm(Comm):
         tag, byte = 3 + call.seq % (self.tag_ub - 3), self.byte  # = self._tag(call.seq)
         rreq = self.mpi.Irecv([out, byte], src, tag)
         sreq = self.mpi.Isend([np.ascontiguousarray(array), byte], dst, tag)
+        if self.world.unposted is not None:  # the data first, then the call's label
+            self._post_label()
         t = self.traffic
         t.sent_n[dst] += 1
         t.sent_b[dst] += array.nbytes
@@ -257,7 +263,10 @@ class MPIComm(Comm):
         buf = np.ascontiguousarray(array)  # a view: no copy
         req = self.mpi.Isend([buf, self.byte], dst, self._tag(self._channel()))
         peer = self.ranks[dst]
-        self.world.lent.append((req, buf, peer))  # the world's: any group's call
+        w = self.world
+        w.lent.append((req, buf, peer))  # the world's: any group's call
+        if w.unposted is not None:  # the data first, then the call's label
+            self._post_label()
         t = self.traffic
         t.sent_n[dst] += 1
         t.sent_b[dst] += array.nbytes
@@ -268,6 +277,8 @@ class MPIComm(Comm):
         # else), our sends without a copy taken, no message of this call left unreceived.
         chk = self.checking
         if chk is not None:
+            if self.world.unposted is not None:  # a call that neither sent nor waited
+                self._post_label()
             if not chk.progress():
                 chk.wait(f"to check collective {chk.label} against the other ranks")
             self._verified()
@@ -303,13 +314,22 @@ class MPIComm(Comm):
     # or wait (one that never comes) is reported as the mismatch it is (`_settle`, `_hang`).
     def _check(self, call: Call) -> None:
         if self.world.check and self.world_size > 1:
-            self.checking = check_exchange(self, label(call))
+            self.checking = self.world.unposted = check_exchange(self, label(call))
+
+    def _post_label(self) -> None:
+        # Posted lazily (the data plane's first send goes out first, the label right after;
+        # any wait posts it before it blocks), so a mismatch that stalls the data plane is
+        # still named on every rank: no rank blocks before its label is out.
+        chk, self.world.unposted = self.world.unposted, None
+        chk.post()
 
     def _verified(self) -> None:
         chk, self.checking = self.checking, None
         verify(self, chk.label, chk.got)
 
     def _verify_check(self, timeout: float | None = None) -> None:
+        if self.world.unposted is not None:
+            self._post_label()
         chk = self.checking
         if chk is not None:
             chk.wait(f"to check collective {chk.label} against the other ranks", timeout)
@@ -319,6 +339,8 @@ class MPIComm(Comm):
         """The body of a checked collective failed: if the other ranks' labels (most often
         already here) show a different call, that mismatch is the error; else `exc` stands."""
         w = self.world
+        if w.unposted is not None:  # our label goes out whatever failed: the others wait for it
+            self._post_label()
         w.pending.extend((req, buf) for req, buf, _ in w.lent)  # buffers alive until sent
         w.lent.clear()
         if self.checking is None or isinstance(exc, CollectiveMismatch):
@@ -341,6 +363,8 @@ class MPIComm(Comm):
     def _make_group(self, glob: tuple, name: str, key) -> Comm:
         # Check that every member names the same group (members in the same order, same name,
         # same creation count) before MPI's communicator creation, which has no deadline.
+        if self.world.unposted is not None:  # inside a collective: its label before we block
+            self._post_label()
         label = f"group {name!r} over world ranks {list(glob)} from {self.name!r} (#{key[-1]})"
         peers = {self.ranks.index(g): g for g in glob if g != self.state.rank}
         got = exchange(self, self.ctrl, peers, label, b"", GROUP_TAG, f"to create {label}")
