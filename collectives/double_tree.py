@@ -24,7 +24,8 @@ Pipelined as NCCL's: each half crosses each edge in chunks of at most cost.TREE_
 (cost.chunk_spans), reduced and forwarded as they come, so the levels overlap; sends go out
 without an eager copy (`send_lent`), the root reduces straight into its output and leaves
 receive their chunks where they stay. Bytes (cost.py) and results are the same for any
-chunking, because each element's reduction order is fixed by the tree.
+chunking, because each element's reduction order is fixed by the tree. On p = 2 with halves of
+one chunk the two ranks' messages cross in pairs: two sendrecvs each (`_pair`), same messages.
 
 Reduction order (deterministic, the same on every backend): in tree t a rank combines
 (left subtree's partial (op) its own half) (op) right subtree's partial, so half 0 is reduced
@@ -38,6 +39,7 @@ import functools
 
 import numpy as np
 
+from . import cost
 from .cost import double_tree_links
 from .ops import combine, finalize
 from .tree import spans
@@ -94,6 +96,23 @@ def _up(comm, half: np.ndarray, op: str, links, acc) -> None:
             comm.send_lent(part, parent)
 
 
+def _pair(comm, halves, outs, op: str, plan) -> None:
+    """p = 2, each half one chunk: the same four messages as the steps of `plan` (a leaf in
+    one tree, the root of the other), each crossing pair in one sendrecv. Rank r's steps are
+    send its leaf half, receive its root half's other partial, send the root half's result,
+    receive the leaf half's result: the sendrecv's send-then-receive is that order, and the
+    peer's steps are the same, so both ends match (and record) as the four steps do."""
+    (_, leaf, (peer, _, _)), (_, root, (_, left, _)) = plan[0], plan[1]
+    own = outs[root]
+    if left is not None:  # left (op) own, as _up
+        combine(op, comm.sendrecv(halves[leaf], peer, peer, out=own), halves[root])
+    else:  # own (op) right (cost.btree_links makes the one child of p = 2 a right child)
+        own[...] = halves[root]
+        combine(op, own, comm.sendrecv(halves[leaf], peer, peer, out=np.empty_like(own)))
+    finalize(op, own, 2)
+    comm.sendrecv(own, peer, peer, out=outs[leaf])
+
+
 def all_reduce(comm, x: np.ndarray, op: str) -> np.ndarray:
     """x: (N,) contiguous, never written. Every rank gets the (N,) reduction, a new array."""
     p, r = comm.size, comm.rank
@@ -101,6 +120,9 @@ def all_reduce(comm, x: np.ndarray, op: str) -> np.ndarray:
     halves = (x[:h], x[h:])  # views
     out = np.empty_like(x)  # (N,)
     outs = (out[:h], out[h:])  # views into out, one per tree
+    if p == 2 and h * x.itemsize <= cost.TREE_CHUNK:  # (read at the call: tests change it)
+        _pair(comm, halves, outs, op, _plan(r, p))
+        return out
     for step, t, links in _plan(r, p):
         parent, left, right = links
         if step == "up":  # the root reduces straight into its output

@@ -18,13 +18,21 @@ import functools
 
 import numpy as np
 
-from .cost import chunk_counts, offsets
+from .cost import _counts, offsets
 from .ops import combine, exchange, finalize
 
 
 @functools.lru_cache(maxsize=1024)
-def _offsets(counts: tuple) -> tuple:  # cached: every all-reduce of a bucket asks again
-    return tuple(offsets(counts))
+def _steps(counts: tuple, r: int, gather: bool) -> tuple:
+    """Rank r's p-1 steps, cached (every all-reduce of a bucket asks again): per step the
+    (start, stop) of the chunk it sends and of the chunk it receives. Reduce-scatter step s
+    sends chunk r-s-1 and receives r-s-2; all-gather step s sends r-s and receives r-s-1."""
+    p, off = len(counts), offsets(counts)
+    first = 0 if gather else 1
+    return tuple(
+        (off[cs], off[cs + 1], off[cr], off[cr + 1])
+        for cs, cr in (((r - s - first) % p, (r - s - first - 1) % p) for s in range(p - 1))
+    )
 
 
 def reduce_scatter(comm, x: np.ndarray, counts, op: str) -> np.ndarray:
@@ -32,38 +40,38 @@ def reduce_scatter(comm, x: np.ndarray, counts, op: str) -> np.ndarray:
     p, r = comm.size, comm.rank
     if p == 1:
         return x.copy()
-    off = _offsets(tuple(counts))
+    counts = tuple(counts)
     dst, src = (r + 1) % p, (r - 1) % p
     # Two receive buffers, used in turn: step s receives into one while it sends the other's
     # partial (step s-1's, complete once that step returned), so p-1 steps allocate two.
     big = max(counts)
-    bufs = [np.empty(big, x.dtype) for _ in range(min(p - 1, 2))]
+    bufs = (np.empty(big, x.dtype), np.empty(big, x.dtype)) if p > 2 else (np.empty(big, x.dtype),)
     acc = None  # the partial received last step: it is the one we forward next
-    for s in range(p - 1):
-        cs, cr = (r - s - 1) % p, (r - s - 2) % p
-        send = x[off[cs] : off[cs + 1]] if s == 0 else acc
-        into = bufs[s % 2][: counts[cr]]
-        got = exchange(comm, send if counts[cs] else None, dst, src, counts[cr], x.dtype, into)
-        acc = combine(op, got, x[off[cr] : off[cr + 1]])  # (counts[cr],) we own `got`
+    for s, (a, b, c, d) in enumerate(_steps(counts, r, False)):
+        send = x[a:b] if s == 0 else acc
+        into = bufs[s % 2][: d - c]
+        got = exchange(comm, send if b > a else None, dst, src, d - c, x.dtype, into)
+        acc = combine(op, got, x[c:d])  # (counts[cr],) we own `got`
     return acc
 
 
 def all_gather(comm, mine: np.ndarray, counts) -> np.ndarray:
     """mine: (counts[r],). Returns the (N,) concatenation of every rank's chunk, new array."""
     p, r = comm.size, comm.rank
-    off = _offsets(tuple(counts))
-    out = np.empty(off[-1], mine.dtype)  # (N,)
-    out[off[r] : off[r + 1]] = mine
+    counts = tuple(counts)
+    steps = _steps(counts, r, True)
+    out = np.empty(sum(counts), mine.dtype)  # (N,)
+    lo = steps[0][0] if steps else 0  # step 0 sends our own chunk r
+    out[lo : lo + counts[r]] = mine
     dst, src = (r + 1) % p, (r - 1) % p
-    for s in range(p - 1):
-        cs, cr = (r - s) % p, (r - s - 1) % p
-        send = out[off[cs] : off[cs + 1]] if counts[cs] else None
-        exchange(comm, send, dst, src, counts[cr], out.dtype, out=out[off[cr] : off[cr + 1]])
+    for a, b, c, d in steps:
+        send = out[a:b] if b > a else None
+        exchange(comm, send, dst, src, d - c, out.dtype, out=out[c:d])
     return out
 
 
 def all_reduce(comm, x: np.ndarray, op: str) -> np.ndarray:
     """x: (N,) contiguous. Every rank gets the (N,) reduction; chunks as np.array_split."""
-    counts = chunk_counts(x.size, comm.size)
+    counts = _counts(x.size, comm.size)
     mine = finalize(op, reduce_scatter(comm, x, counts, op), comm.size)
     return all_gather(comm, mine, counts)

@@ -48,11 +48,19 @@ def reduce(comm, x: np.ndarray, op: str, root: int = 0):
     v, kids, parent = _links(comm.rank, comm.size, root)
     parts = spans(x.size, x.itemsize)
     if not kids:  # a leaf (or p = 1): its own chunks go up as they are
+        if v and len(parts) == 1:  # one chunk: the array itself, no view to make
+            comm.send_lent(x, parent)
+            return None
         for a, b in parts if v else ():
             comm.send_lent(x[a:b], parent)
         return None if v else x.copy()
     acc = np.empty_like(x)  # (N,) the partial, chunk by chunk: received into, then reduced
     tmp = np.empty(parts[0][1] - parts[0][0], x.dtype) if len(kids) > 1 else None
+    if len(parts) == 1 and len(kids) == 1:  # one chunk, one child (p = 2's root): no views
+        combine(op, comm.recv(kids[0], out=acc), x)
+        if v:
+            comm.send_lent(acc, parent)
+        return None if v else acc
     for a, b in parts:
         part = comm.recv(kids[0], out=acc[a:b])
         combine(op, part, x[a:b])  # child (op) own; ops commute bitwise
@@ -69,7 +77,14 @@ def broadcast(comm, x: np.ndarray, root: int = 0, owned: bool = False) -> np.nda
     v, kids, parent = _links(comm.rank, comm.size, root)
     kids = kids[::-1]  # deepest subtree first
     buf = (x if owned else x.copy()) if v == 0 else np.empty_like(x)
-    for a, b in spans(x.size, x.itemsize):
+    parts = spans(x.size, x.itemsize)
+    if len(parts) == 1:  # one chunk: the buffer itself, no views to make
+        if v:
+            comm.recv(parent, out=buf)
+        for c in kids:
+            comm.send_lent(buf, c)
+        return buf
+    for a, b in parts:
         if v:
             comm.recv(parent, out=buf[a:b])
         for c in kids:

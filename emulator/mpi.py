@@ -9,23 +9,20 @@ it waits for and its flight recorder (under MPI a rank sees only its own recorde
 
 Channels: user point-to-point messages travel with MPI tag 0, a collective's messages with tag
 3 + (its sequence number in the group mod TAG_UB - 3), so they never match each other nor the
-control plane's tags 1 and 2. A user
-message carries a 64-byte prefix naming its dtype and shape (uncounted, like the checks), so a
-receive of the right byte count but another dtype or shape is an error naming both sides. A
-collective's messages carry none: the collective check compares every rank's op, algorithm,
-shape and dtype (its labels travel beside the data and are compared during the call's waits and
-before it returns; a size error or hang a differing call causes is reported as the mismatch; with
-`check=False` that guard is off). Collectives send their own buffers without the eager copy
+control plane's tags 1 and 2. A user message carries a 64-byte prefix naming its dtype and shape
+(uncounted, like the checks; `emulator.mpi_p2p`), so a receive of the right byte count but another
+dtype or shape is an error naming both sides. A collective's messages carry none: the collective
+check compares every rank's op, algorithm, shape and dtype (its labels travel beside the data -
+posted right after the call's first send, or before its first wait - and are compared during the
+call's waits and before it returns; a size error or hang a differing call causes is reported as
+the mismatch; with `check=False` that guard is off). Subgroups: `emulator.mpi_groups`. Collectives send their own buffers without the eager copy
 (`send_lent`), waited for at the call's end.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import math
 import pickle
-import weakref
 
 import numpy as np
 
@@ -41,18 +38,9 @@ from .comm import (
 )
 from .ledger import Ledger
 from .mpi_call import OpenCall, label
-from .mpi_control import (
-    GROUP_TAG,
-    OBJECTS,
-    MPIWorld,
-    check_exchange,
-    exchange,
-    gather,
-    poll,
-    verify,
-)
-
-HEADER = 64  # bytes before a user point-to-point message's payload: "float64[2, 4]\0\0..."
+from .mpi_control import OBJECTS, MPIWorld, check_exchange, gather, poll, verify
+from .mpi_groups import make_group
+from .mpi_p2p import take_user, with_header
 
 
 @functools.cache  # the module, once: a function-level import costs ~1 us a call
@@ -64,15 +52,6 @@ def _mpi():
             "the MPI backend needs mpi4py and an MPI library: pip install -e '.[mpi]'"
         ) from exc
     return MPI
-
-
-@functools.lru_cache(maxsize=4096)
-def _header(dtype: np.dtype, shape: tuple) -> bytes:
-    """What a user message is, in HEADER bytes; long shapes keep a prefix and a digest."""
-    text = f"{dtype}{list(shape)}".encode()
-    if len(text) > HEADER:
-        text = text[:40] + b"..#" + hashlib.blake2b(text, digest_size=8).hexdigest().encode()
-    return text.ljust(HEADER, b"\0")
 
 
 class MPIComm(Comm):
@@ -91,6 +70,8 @@ class MPIComm(Comm):
         only for the timeout's message: most waits end at the first poll)."""
         if done():  # the common case: already there, no closures
             return
+        if self.world.unposted is not None:  # the open call's label goes out before any wait
+            self._post_label()
 
         def ready() -> bool:  # a wait inside a collective also advances its check
             if done():
@@ -122,19 +103,19 @@ class MPIComm(Comm):
     # -- data plane -----------------------------------------------------------------------------
     def _post(self, array: np.ndarray, dst: int, channel: int) -> None:
         if channel < 0:  # user message: the header, then the payload, in one buffer (one copy)
-            buf = np.empty(HEADER + array.nbytes, np.uint8)
-            buf[:HEADER] = np.frombuffer(_header(array.dtype, array.shape), np.uint8)
-            buf[HEADER:].view(array.dtype).reshape(array.shape)[...] = array
+            buf = with_header(array)
         else:
             buf = np.array(array, copy=True, order="C").reshape(-1).view(np.uint8)
         self.world.pending.append((self.mpi.Isend(buf, dest=dst, tag=self._tag(channel)), buf))
         self.world.prune()
+        if self.world.unposted is not None:
+            self._post_label()
         self.traffic.sent_n[dst] += 1
         self.traffic.sent_b[dst] += array.nbytes
 
     def _take(self, src: int, out, shape, dtype, channel: int) -> np.ndarray:
         if channel < 0:
-            got = self._take_user(src, shape, dtype)
+            got = take_user(self, src, shape, dtype)
             if out is not None:
                 out[...] = got
                 got = out
@@ -160,35 +141,6 @@ class MPIComm(Comm):
         t.recv_b[src] += out.nbytes
         self._record("recv", src, out.nbytes)
         return out
-
-    def _take_user(self, src: int, shape, dtype) -> np.ndarray:
-        # Probe first: the message's size is known before we receive, so a message of another
-        # size or kind is named from its header, never truncated.
-        MPI = _mpi()
-        status, found = MPI.Status(), []
-
-        def arrived() -> bool:
-            m = self.mpi.Improbe(source=src, tag=0, status=status)
-            if m is not None:
-                found.append(m)
-            return bool(found)
-
-        self._wait(arrived, f"to receive from rank {self.ranks[src]}")
-        buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
-        req = found[0].Irecv(buf)
-        self._wait(req.Test, f"to receive from rank {self.ranks[src]}")
-        nbytes = np.dtype(dtype).itemsize * math.prod(shape)
-        mine = _header(np.dtype(dtype), tuple(shape))
-        if buf.size != HEADER + nbytes or buf[:HEADER].tobytes() != mine:
-            theirs = buf[:HEADER].tobytes().rstrip(b"\0").decode(errors="replace")
-            expected = mine.rstrip(b"\0").decode()
-            raise CommError(
-                f"rank {self.state.rank} expected {expected} ({nbytes} "
-                f"bytes) from rank {self.ranks[src]} in group {self.name!r} but rank "
-                f"{self.ranks[src]} sent {theirs} ({buf.size - HEADER} bytes); sender and "
-                f"receiver disagree about the message (check both sides' shapes and dtypes)"
-            )
-        return buf[HEADER:].view(dtype).reshape(shape)
 
     def _irecv(self, src: int, out, shape, dtype, channel: int):
         if out is None:
@@ -237,6 +189,8 @@ class MPIComm(Comm):
         tag, byte = 3 + call.seq % (self.tag_ub - 3), self.byte  # = self._tag(call.seq)
         rreq = self.mpi.Irecv([out, byte], src, tag)
         sreq = self.mpi.Isend([np.ascontiguousarray(array), byte], dst, tag)
+        if self.world.unposted is not None:  # the data first, then the call's label
+            self._post_label()
         t = self.traffic
         t.sent_n[dst] += 1
         t.sent_b[dst] += array.nbytes
@@ -255,9 +209,14 @@ class MPIComm(Comm):
         if type(dst) is not int or not 0 <= dst < self.world_size or dst == self.rank:
             self._peer(dst, "send to")
         buf = np.ascontiguousarray(array)  # a view: no copy
-        req = self.mpi.Isend([buf, self.byte], dst, self._tag(self._channel()))
+        call = self.state.current  # the channel's tag (`_tag(_channel())`), inlined
+        tag = 0 if call is None else 3 + call.seq % (self.tag_ub - 3)
+        req = self.mpi.Isend([buf, self.byte], dst, tag)
         peer = self.ranks[dst]
-        self.world.lent.append((req, buf, peer))  # the world's: any group's call
+        w = self.world
+        w.lent.append((req, buf, peer))  # the world's: any group's call
+        if w.unposted is not None:  # the data first, then the call's label
+            self._post_label()
         t = self.traffic
         t.sent_n[dst] += 1
         t.sent_b[dst] += array.nbytes
@@ -268,7 +227,11 @@ class MPIComm(Comm):
         # else), our sends without a copy taken, no message of this call left unreceived.
         chk = self.checking
         if chk is not None:
-            if not chk.progress():
+            if self.world.unposted is not None:  # a call that neither sent nor waited
+                self._post_label()
+            # (twice before waiting: the labels come after the data, and MPICH's first probe
+            # may only progress the queues - as in _leftover)
+            if not chk.progress() and not chk.progress():
                 chk.wait(f"to check collective {chk.label} against the other ranks")
             self._verified()
         lent = self.world.lent
@@ -286,7 +249,7 @@ class MPIComm(Comm):
         # A message of this collective that no receive took (one already here; a later one is
         # caught by the end-of-run count): an algorithm sent more than its peers receive.
         # (MPICH's first Iprobe may only progress the queues; the second sees what arrived.)
-        status, tag, probe = self.status, self._tag(call.seq), self.mpi.Iprobe
+        status, tag, probe = self.status, 3 + call.seq % (self.tag_ub - 3), self.mpi.Iprobe
         if probe(self.any_source, tag, status) or probe(self.any_source, tag, status):
             raise CommError(
                 f"rank {self.ranks[status.Get_source()]} sent rank {self.state.rank} a message "
@@ -295,21 +258,31 @@ class MPIComm(Comm):
             )
 
     # -- control plane ----------------------------------------------------------------------------
-    # The collective check: every rank sends its call's label to every other rank when the call
-    # opens and goes straight on to the data plane; the labels are compared as soon as they are
+    # The collective check: every rank sends its call's label to every other rank (right after
+    # the call's first data send, or before it first blocks) and goes on with the data plane; the labels are compared as soon as they are
     # in (the data plane's waits advance them) and at the latest at the call's end, before it
     # returns. A mismatch is thus named on every rank, as before, without a round trip of its
     # own: a differing call that makes the data plane fail first (a message of another size)
     # or wait (one that never comes) is reported as the mismatch it is (`_settle`, `_hang`).
     def _check(self, call: Call) -> None:
         if self.world.check and self.world_size > 1:
-            self.checking = check_exchange(self, label(call))
+            self.checking = self.world.unposted = check_exchange(self, label(call))
+
+    def _post_label(self) -> None:
+        # Posted lazily (the data plane's first send goes out first, the label right after;
+        # any wait posts it before it blocks), so a mismatch that stalls the data plane is
+        # still named on every rank: no rank blocks before its label is out.
+        chk, self.world.unposted = self.world.unposted, None
+        chk.post()
 
     def _verified(self) -> None:
         chk, self.checking = self.checking, None
-        verify(self, chk.label, chk.got)
+        if chk.same != len(chk.peers):  # some label differs from ours: name it
+            verify(self, chk.label, chk.got)
 
     def _verify_check(self, timeout: float | None = None) -> None:
+        if self.world.unposted is not None:
+            self._post_label()
         chk = self.checking
         if chk is not None:
             chk.wait(f"to check collective {chk.label} against the other ranks", timeout)
@@ -319,6 +292,8 @@ class MPIComm(Comm):
         """The body of a checked collective failed: if the other ranks' labels (most often
         already here) show a different call, that mismatch is the error; else `exc` stands."""
         w = self.world
+        if w.unposted is not None:  # our label goes out whatever failed: the others wait for it
+            self._post_label()
         w.pending.extend((req, buf) for req, buf, _ in w.lent)  # buffers alive until sent
         w.lent.clear()
         if self.checking is None or isinstance(exc, CollectiveMismatch):
@@ -333,47 +308,15 @@ class MPIComm(Comm):
         finally:
             self.checking = None
 
+    def _make_group(self, glob: tuple, name: str, key) -> Comm:
+        if self.world.unposted is not None:  # inside a collective: its label before we block
+            self._post_label()
+        return make_group(self, glob, name, key)
+
     def allgather_object(self, obj) -> list:
         self._verify_check()  # called inside a collective: its check's labels come first
         every = gather(self, OBJECTS, pickle.dumps(obj), "in a control-plane gather")
         return [pickle.loads(b) for b in every]
-
-    def _make_group(self, glob: tuple, name: str, key) -> Comm:
-        # Check that every member names the same group (members in the same order, same name,
-        # same creation count) before MPI's communicator creation, which has no deadline.
-        label = f"group {name!r} over world ranks {list(glob)} from {self.name!r} (#{key[-1]})"
-        peers = {self.ranks.index(g): g for g in glob if g != self.state.rank}
-        got = exchange(self, self.ctrl, peers, label, b"", GROUP_TAG, f"to create {label}")
-        for j, (theirs, _) in sorted(got.items()):
-            if theirs != label:
-                raise CollectiveMismatch(
-                    f"group mismatch: rank {self.state.rank} creates {label} but rank "
-                    f"{self.ranks[j]} creates {theirs}. Every member must call group() with "
-                    f"the same ranks in the same order (a Mesh: the same axes in the same order "
-                    f"on every rank)."
-                )
-        MPI = _mpi()
-        tag = int.from_bytes(hashlib.blake2b(label.encode(), digest_size=4).digest()) % 32768
-        try:
-            new = MPI.COMM_WORLD.Create_group(MPI.COMM_WORLD.Get_group().Incl(list(glob)), tag)
-        except MPI.Exception as exc:
-            raise CommError(
-                f"rank {self.state.rank}: MPI could not create {label} ({exc}); "
-                f"{self.world.live_groups} groups are alive on this rank, one communicator "
-                f"each - drop the groups you no longer use (they are freed when collected)"
-            ) from exc
-        comm = MPIComm(self.world, self.state, glob, name, key, new)
-        self.world.live_groups += 1
-        weakref.finalize(comm, _free, self.world, new).atexit = False
-        return comm
-
-
-def _free(world: MPIWorld, mpicomm) -> None:
-    """Release a collected group's communicator (MPI_Comm_free is local in MPICH and Open MPI;
-    pending sends on it still complete)."""
-    world.live_groups -= 1
-    if not _mpi().Is_finalized():
-        mpicomm.Free()
 
 
 def world_comm(timeout: float, check: bool = True) -> MPIComm:

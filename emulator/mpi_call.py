@@ -18,6 +18,13 @@ import numpy as np
 
 from .comm import P2P, Call, _dtype_name
 
+_NAMES: dict = {}  # dtype -> _dtype_name(dtype): str(dtype) is computed in Python by NumPy
+
+
+def _name(dtype) -> str:
+    name = _NAMES[dtype] = _dtype_name(dtype)
+    return name
+
 
 class OpenCall:
     """`with comm.collective(op, algorithm, array, extra):` on an MPIComm (see Comm.collective:
@@ -50,7 +57,8 @@ class OpenCall:
         else:
             if type(a) is not np.ndarray:
                 a = np.asarray(a)
-            shape, dtype = tuple(a.shape), _dtype_name(a.dtype)
+            dt = a.dtype
+            shape, dtype = a.shape, _NAMES.get(dt) or _name(dt)  # ndarray.shape: a tuple
         call = self.call = Call(seq, self.op, self.algorithm, comm.name, shape, dtype, self.extra)
         st.calls.append(call)
         st.current = call

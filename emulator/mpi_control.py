@@ -89,23 +89,30 @@ class Exchange:
     whose behalf we wait (its timeout, rank and flight recorder)."""
 
     __slots__ = ("comm", "got", "label", "mpicomm", "payload", "peers", "probing", "raw",
-                 "receiving", "status", "tag")  # fmt: skip
+                 "receiving", "same", "status", "tag")  # fmt: skip
 
-    def __init__(self, comm, mpicomm, peers: dict, label: str, payload: bytes, tag: int):
+    def __init__(self, comm, mpicomm, peers: dict, label: str, payload: bytes, tag: int,
+                 post: bool = True):  # fmt: skip
         text = label.encode()
-        raw = len(text).to_bytes(8, "little") + text + payload  # bytes: MPI sends them as they are
-        world = comm.world
-        pending = world.pending
-        for p in peers:
-            pending.append((mpicomm.Isend(raw, p, tag), raw))
-        if len(pending) > 32:  # (world.prune's own test, without its call on every check)
-            world.prune()
+        self.raw = len(text).to_bytes(8, "little") + text + payload  # bytes: sent as they are
         self.comm, self.mpicomm, self.peers, self.label = comm, mpicomm, peers, label
-        self.raw, self.payload = raw, payload
+        self.payload = payload
         self.got: dict = {}
+        self.same = 0  # peers whose message is byte for byte ours (verify has nothing to do)
         self.probing, self.tag = set(peers), tag
         self.receiving: list = []
         self.status = _status()
+        if post:
+            self.post()
+
+    def post(self) -> None:
+        """Send our message to every peer (once: `check_exchange` leaves it to the caller)."""
+        raw, mpicomm, tag, world = self.raw, self.mpicomm, self.tag, self.comm.world
+        pending = world.pending
+        for p in self.peers:
+            pending.append((mpicomm.Isend(raw, p, tag), raw))
+        if len(pending) > 32:  # (world.prune's own test, without its call on every check)
+            world.prune()
 
     def progress(self) -> bool:
         probing = self.probing
@@ -135,6 +142,7 @@ class Exchange:
     def _took(self, p: int, buf) -> None:  # buf: bytes or bytearray
         if buf == self.raw:  # the same call (the common case): nothing to decode
             self.got[p] = (self.label, self.payload)
+            self.same += 1
             return
         raw = bytes(buf)
         n = int.from_bytes(raw[:8], "little")
@@ -170,9 +178,11 @@ def verify(comm, label: str, got: dict) -> None:
 
 
 def check_exchange(comm, label: str) -> Exchange:
-    """Start a collective's cross-rank check: its label to every other rank of `comm` (the
-    receiving side is completed by the data plane's waits and at the collective's end)."""
-    return Exchange(comm, comm.ctrl, comm.others, label, b"", CTRL_TAG)
+    """A collective's cross-rank check, not yet posted: the caller posts its label to every
+    other rank of `comm` (`Exchange.post`) after its first data send or before its first
+    wait, whichever comes first; the data plane's waits and the collective's end receive
+    the others' labels."""
+    return Exchange(comm, comm.ctrl, comm.others, label, b"", CTRL_TAG, post=False)
 
 
 def gather(comm, label: str, payload: bytes, what: str) -> list:
@@ -202,6 +212,7 @@ class MPIWorld:
         self.check = check
         self.pending: list = []  # (request, buffer): eager sends not yet known complete
         self.lent: list = []  # (request, buffer, peer): the open collective's uncopied sends
+        self.unposted = None  # the open collective's check until its label is sent (mpi.py)
         self.traffic: dict = {}  # group key -> Traffic
         self.live_groups = 0
         ranks = _mpi().COMM_WORLD.Get_size()
@@ -214,8 +225,14 @@ class MPIWorld:
         return t
 
     def prune(self) -> None:
-        if len(self.pending) > 32:
-            self.pending[:] = [p for p in self.pending if not p[0].Test()]
+        # One Testall for the lot (one progress pass; almost always all done, as these are
+        # short eager sends), one Test each only when some are still in flight.
+        pending = self.pending
+        if len(pending) > 32:
+            if _mpi().Request.Testall([req for req, _ in pending]):
+                pending.clear()
+            else:
+                pending[:] = [p for p in pending if not p[0].Test()]
 
     def finish(self, comm, ok: bool = True) -> list:
         """The end-of-run handshake on the world `comm`; returns every rank's verdict.

@@ -27,7 +27,8 @@ TIMEOUT = 2.0  # seconds: for the cases that end in a timeout (its text names wh
 # not turn their named error into a timeout.
 GENEROUS = 30.0
 PROMPT = {"group_order", "mesh_swap", "stray", "barrier_vs_barrier", "objects_vs_all_reduce",
-          "ring_vs_tree", "small_tree_vs_double_tree", "small_shape"}  # fmt: skip
+          "ring_vs_tree", "small_tree_vs_double_tree", "small_shape",
+          "every_rank_receives_first"}  # fmt: skip
 
 
 def group_order(comm):  # rank 0 lists the members in reverse
@@ -108,6 +109,10 @@ def small_shape(comm):  # a 4 KiB tree all-reduce, the last rank's array one ele
     C.all_reduce(comm, np.ones(1024 + (comm.rank == comm.size - 1), np.float32), algorithm="tree")
 
 
+def every_rank_receives_first(comm):  # each rank reduces to itself: every root waits first
+    C.reduce(comm, np.ones(1024, np.float32), root=comm.rank)
+
+
 def hard_exit(comm):  # rank 1 leaves without a word, after a collective; the others go on
     C.all_reduce(comm, np.ones(3))
     if comm.rank == 1:
@@ -133,7 +138,7 @@ def many_groups(comm):  # 5,000 group creations (each freed when the next replac
 CASES = {f.__name__: f for f in (
     group_order, group_members, group_skip, mesh_swap, recv_dtype, recv_shape, stray,
     stray_in_collective, barrier_vs_barrier, objects_vs_all_reduce, hard_exit, killed, many_groups,
-    ring_vs_tree, small_tree_vs_double_tree, small_shape,
+    ring_vs_tree, small_tree_vs_double_tree, small_shape, every_rank_receives_first,
 )}  # fmt: skip
 
 
