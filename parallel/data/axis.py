@@ -38,6 +38,7 @@ import dataclasses
 import numpy as np
 
 from emulator import scope
+from emulator.affinity import shares_memory
 from emulator.model import to_compute
 from emulator.optim import AdamW
 from emulator.precision import compute_dtype
@@ -242,18 +243,29 @@ class DataAxis(Accumulate):
         ranks of its part's group are not bitwise equal (uncounted; collective over each
         part's group). Every copy comes from the same summed gradient (a ring all-reduce or
         all-gather hands every rank the same bits) and the same AdamW, so any difference is a
-        rank that skipped, repeated or corrupted an update."""
+        rank that skipped, repeated or corrupted an update. On virtual ranks
+        (``shares_memory``) group rank i compares the tensors i, i + R, ... and the findings
+        are gathered (uncounted): the group compares each tensor once, not R times."""
         bad, (params, grads) = [], self.replicas()
         for part in self.parts:
             mine = [{n: d[n] for n in part.names if n in d} for d in (params, grads)]
-            every = part.group.allgather_object(mine)
-            where = part.label or "dp"
+            group = part.group
+            every = group.allgather_object(mine)
+            split = shares_memory(group) and group.size > 1
+            at, R = (group.rank, group.size) if split else (0, 1)
+            where, found = part.label or "dp", []
             for i, what in enumerate(("param", "grad")):
-                for n, x in every[0][i].items():
+                for j, (n, x) in enumerate(every[0][i].items()):
+                    if j % R != at:
+                        continue
                     diff = [r for r, e in enumerate(every)
                             if e[i][n] is not x and not np.array_equal(x, e[i][n])]  # fmt: skip
                     if diff:
-                        bad.append(f"{what} {n} over {where} (group ranks {diff} differ from 0)")
+                        label = f"{what} {n} over {where} (group ranks {diff} differ from 0)"
+                        found.append((i, j, label))
+            if split:  # every rank's findings, in the order one rank would have found them
+                found = sorted(f for theirs in group.allgather_object(found) for f in theirs)
+            bad += [label for _, _, label in found]
         return bad
 
     def close(self) -> None:
