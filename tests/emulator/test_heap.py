@@ -39,8 +39,11 @@ def one_round():  # a forward's worth of 4 MiB arrays, all freed at the end like
 
 THREADS = """
 def one_round():  # 4 new threads (as a spawn starts), each 24 x 4 MiB arrays, all freed
+    held = threading.Barrier(4, timeout=60)  # all 4 hold theirs at once in both rounds: the
+    # same peak whatever the scheduling (a round that ran them one by one peaked at a quarter)
     def rank():
         arrays = [np.ones(1 << 19) for _ in range(24)]  # 96 MiB: more than one arena heap
+        held.wait()
         del arrays
     threads = [threading.Thread(target=rank) for _ in range(4)]
     for t in threads:
