@@ -45,7 +45,7 @@ def test_a_half_runs_on_the_helper_thread(split_on):
     out = np.empty_like(a)
     halves.in_halves(fn, a, out)
     assert np.array_equal(out, 2.0 * a)
-    assert sorted(seen) == [("MainThread", 5), ("distemu-halves_0", 4)]
+    assert sorted(seen) == [("MainThread", 5), ("distemu-halves", 4)]
 
 
 def test_off_on_other_threads_and_for_small_arrays(split_on):
