@@ -17,12 +17,12 @@ from emulator.moe import moe_backward, moe_forward
 from emulator.ops import (
     attention_backward,
     attention_forward,
-    gelu_backward,
-    gelu_forward,
     layernorm_backward,
     layernorm_forward,
     linear_backward,
     linear_forward,
+    linear_gelu_backward,
+    linear_gelu_forward,
     linears_backward,
     linears_forward,
 )
@@ -48,8 +48,7 @@ def _forward(bp, x, cfg, groups, keep_probs, attention, moe_fn):
         kw = {"top_k": cfg.moe_top_k, "capacity_factor": cfg.capacity_factor}
         y, aux, c["moe"] = moe_fn[0](mp, m, groups, **kw)
     else:
-        z, c["w1"] = linear_forward(m, bp["mlp.w1"], bp["mlp.b1"])  # (B, S, F)
-        h, c["gelu"] = gelu_forward(z)
+        h, (c["gelu"], c["w1"]) = linear_gelu_forward(m, bp["mlp.w1"], bp["mlp.b1"])  # (B, S, F)
         x, c["w2"] = linear_forward(h, bp["mlp.w2"], bp["mlp.b2"], residual=x)
         return x, 0.0, c
     return add(x, y), aux, c  # an MoE block's y may be held by its cache (moe_fn's own)
@@ -97,8 +96,7 @@ def block_backward(dx, cache, daux=None):
         dm, dmp = cache["moe_fn"][1](dx, c["moe"], daux)
         g.update({"moe." + n: d for n, d in dmp.items()})
     else:
-        dh, g["mlp.w2"], g["mlp.b2"] = linear_backward(dx, c["w2"])
-        dz = gelu_backward(dh, c["gelu"])
+        dz, g["mlp.w2"], g["mlp.b2"] = linear_gelu_backward(dx, c["w2"], c["gelu"])
         dm, g["mlp.w1"], g["mlp.b1"] = linear_backward(dz, c["w1"])
     # residual: the gradient reaches x directly and through LN2 (dx + dln2, in dln2's buffer)
     dx, g["ln2.gain"], g["ln2.bias"] = layernorm_backward(dm, c["ln2"], residual=dx)

@@ -21,6 +21,10 @@ from emulator.attention import _heads, _merge, attention_backward, attention_for
 from emulator.halves import COLUMNS, ROWS, by_columns, in_halves, together
 from emulator.linear import (  # noqa: F401 - re-exported: ops is the layers' public face
     GEMM_HALF_MIN,
+    _backward_done,
+    _backward_jobs,
+    _forward_done,
+    _forward_jobs,
     _gemm,
     _iadd,
     add_into,
@@ -180,6 +184,34 @@ def gelu_backward(dy, z):
     t, c2, d = (np.empty_like(c) for _ in range(3))
     in_halves(_gelu_backward_into, c, up(dy), t, c2, d)
     return down(d, z.dtype)
+
+
+def linear_gelu_forward(x, w, b):
+    """gelu_forward(linear_forward(x, w, b)) -> (h, (z, the linear's cache)): GELU's rows in
+    the GEMM's hand-off (halves.together) when z is not cast (a cast z is GELU's input)."""
+    y, jobs, _ = _forward_jobs(x, w, b, None)
+    if x.dtype != y.dtype:
+        z, lin = linear_forward(x, w, b)
+        return gelu_forward(z)[0], (z, lin)
+    h = np.empty_like(y)
+    together(*jobs, (ROWS, _gelu_forward_into, (y, h)))
+    z, lin = _forward_done(x, w, b, None, y, False)
+    return h.reshape(z.shape), (z, lin)
+
+
+def linear_gelu_backward(dy, cache, z):
+    """gelu_backward(linear_backward(dy, cache)[0], z), the linear's (dw, db): GELU's rows in
+    the dx GEMM's hand-off when dx is not cast -> (dz, dw, db)."""
+    (dx, dw, db), jobs = _backward_jobs(dy, cache)
+    if cache[0].dtype != dx.dtype:
+        together(*jobs)
+        dh, dw, db = _backward_done(cache, dx, dw, db)
+        return gelu_backward(dh, z), dw, db
+    c = up(z).reshape(dx.shape)
+    t, c2, d = (np.empty_like(c) for _ in range(3))
+    together(*jobs, (ROWS, _gelu_backward_into, (c, dx, t, c2, d)))
+    _, dw, db = _backward_done(cache, dx, dw, db)
+    return down(d.reshape(z.shape), z.dtype), dw, db
 
 
 # ---- softmax cross-entropy -----------------------------------------------------------------------
