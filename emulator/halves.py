@@ -108,11 +108,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
 
 
+def _on() -> bool:
+    """Whether this thread splits at all: the main thread, with a >= 2-thread BLAS pool."""
+    return threading.current_thread() is threading.main_thread() and (blas.threads() or 1) >= 2
+
+
 def enabled(size: int) -> bool:
     """Whether an array of ``size`` elements would be split here, now."""
-    if size < MIN_SIZE or threading.current_thread() is not threading.main_thread():
-        return False
-    return (blas.threads() or 1) >= 2
+    return size >= MIN_SIZE and _on()
 
 
 def _two(fn, first, second) -> None:
@@ -128,9 +131,9 @@ def _two(fn, first, second) -> None:
 
 def _split(kind, arrays):
     """-> (first, second): the arrays' views for each half of a ``kind`` split, or None when the
-    job is one call (too small, not splittable, or not on the main thread)."""
+    job is one call (too small or not splittable; ``_on()`` is the caller's)."""
     a0 = arrays[0]
-    if kind == ONE or not (a0.ndim and enabled(max(a.size for a in arrays))):
+    if kind == ONE or not a0.ndim or max(a.size for a in arrays) < MIN_SIZE:
         return None
     if kind == ROWS:  # C-contiguous, sharing the leading shape (..., X); X may differ
         if not all(a.shape[:-1] == a0.shape[:-1] and a.flags.c_contiguous for a in arrays):
@@ -163,14 +166,22 @@ def together(*jobs) -> None:
     what an earlier one wrote only in the same rows of the same half: both split at half of the
     same row count (a GEMM's output (N, X) and a ROWS job on it, N rows). Otherwise each job is
     split (or not) on its own, one after the other: the same operations per element either way."""
+    if not _on():  # a virtual rank's thread, or a 1-thread pool: the plain calls
+        for _, fn, arrays in jobs:
+            fn(*arrays)
+        return
     parts = [_split(kind, arrays) for kind, _, arrays in jobs]
-    if len(jobs) == 1 and parts[0] is None:
-        jobs[0][1](*jobs[0][2])
+    if any(p is None for p in parts):  # each job on its own, split or not
+        for job, part in zip(jobs, parts, strict=True):
+            if part is None:
+                job[1](*job[2])
+            else:
+                _together([job], [part])
         return
-    if any(p is None for p in parts):
-        for job in jobs:
-            together(job)
-        return
+    _together(jobs, parts)
+
+
+def _together(jobs, parts) -> None:
     blas_one = any(kind == BATCH for kind, _, _ in jobs)
     with one_blas_thread() if blas_one else contextlib.nullcontext():
         if len(jobs) == 1:

@@ -34,7 +34,7 @@ def splits(monkeypatch):
 def _one_call(fn, monkeypatch):
     """fn() with every split off (the one-thread definition)."""
     with monkeypatch.context() as m:
-        m.setattr(halves, "enabled", lambda size: False)
+        m.setattr(halves, "_on", lambda: False)  # no split anywhere
         return fn()
 
 
