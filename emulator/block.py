@@ -12,6 +12,9 @@ All three run the same arithmetic in the same order, so the gradients are bitwis
 
 from __future__ import annotations
 
+import contextlib
+
+from emulator.halves import deferred
 from emulator.memory import saved_nbytes
 from emulator.moe import moe_backward, moe_forward
 from emulator.ops import (
@@ -26,31 +29,41 @@ from emulator.ops import (
     linears_backward,
     linears_forward,
 )
-from emulator.precision import add
+from emulator.precision import add, arith_dtype
 
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = (attention_forward, attention_backward)  # the single-rank core (default attention=)
 MOE = (moe_forward, moe_backward)  # the single-rank MoE block (the default of moe_fn=)
 
 
+def _fused(x):
+    """One hand-off for the row-wise ops in the block (halves.deferred) when nothing is cast
+    between them (bf16 casts read the values: the ops then run one by one)."""
+    return deferred() if x.dtype == arith_dtype(x.dtype) else contextlib.nullcontext()
+
+
 def _forward(bp, x, cfg, groups, keep_probs, attention, moe_fn):
     """-> (x_out, aux, cache). The computation shared by every mode."""
     c = {}
-    a, c["ln1"] = layernorm_forward(x, bp["ln1.gain"], bp["ln1.bias"], cfg.ln_eps)  # (B, S, H)
-    qkv = [(bp[f"attn.w{n}"], bp[f"attn.b{n}"]) for n in "qkv"]
-    (q, c["q"]), (k, c["k"]), (v, c["v"]) = linears_forward(a, qkv)  # the three share input a
+    with _fused(x):  # LN1 and the three projections, on the same rows
+        a, c["ln1"] = layernorm_forward(x, bp["ln1.gain"], bp["ln1.bias"], cfg.ln_eps)  # (B, S, H)
+        qkv = [(bp[f"attn.w{n}"], bp[f"attn.b{n}"]) for n in "qkv"]
+        (q, c["q"]), (k, c["k"]), (v, c["v"]) = linears_forward(a, qkv)  # the three share input a
     n_heads = cfg.n_heads * bp["attn.wq"].shape[1] // cfg.d_model  # fewer under tensor parallel
     o, c["attn"] = attention[0](q, k, v, n_heads, keep_probs=keep_probs)
-    x, c["o"] = linear_forward(o, bp["attn.wo"], bp["attn.bo"], residual=x)  # x + o wo + bo
-    m, c["ln2"] = layernorm_forward(x, bp["ln2.gain"], bp["ln2.bias"], cfg.ln_eps)
-    if cfg.is_moe:
-        mp = {n[4:]: bp[n] for n in ("moe.router", "moe.w1", "moe.b1", "moe.w2", "moe.b2")}
-        kw = {"top_k": cfg.moe_top_k, "capacity_factor": cfg.capacity_factor}
-        y, aux, c["moe"] = moe_fn[0](mp, m, groups, **kw)
-    else:
-        h, (c["gelu"], c["w1"]) = linear_gelu_forward(m, bp["mlp.w1"], bp["mlp.b1"])  # (B, S, F)
-        x, c["w2"] = linear_forward(h, bp["mlp.w2"], bp["mlp.b2"], residual=x)
+    with _fused(x):  # the projection, LN2 and the MLP, on the same rows
+        x, c["o"] = linear_forward(o, bp["attn.wo"], bp["attn.bo"], residual=x)  # x + o wo + bo
+        m, c["ln2"] = layernorm_forward(x, bp["ln2.gain"], bp["ln2.bias"], cfg.ln_eps)
+        if not cfg.is_moe:
+            h, (c["gelu"], c["w1"]) = linear_gelu_forward(
+                m, bp["mlp.w1"], bp["mlp.b1"]
+            )  # (B, S, F)
+            x, c["w2"] = linear_forward(h, bp["mlp.w2"], bp["mlp.b2"], residual=x)
+    if not cfg.is_moe:
         return x, 0.0, c
+    mp = {n[4:]: bp[n] for n in ("moe.router", "moe.w1", "moe.b1", "moe.w2", "moe.b2")}
+    kw = {"top_k": cfg.moe_top_k, "capacity_factor": cfg.capacity_factor}
+    y, aux, c["moe"] = moe_fn[0](mp, m, groups, **kw)
     return add(x, y), aux, c  # an MoE block's y may be held by its cache (moe_fn's own)
 
 

@@ -50,6 +50,7 @@ ROWS, COLUMNS, BATCH = "rows", "columns", "batch"  # the three ways a job splits
 ONE = "one"  # a job that is one call (a GEMM too small to halve)
 _pool: list = []
 _lock = threading.Lock()
+_queued: list = []  # [jobs] inside deferred(): the jobs together() queues (main thread only)
 
 
 class _Helper:
@@ -170,6 +171,9 @@ def together(*jobs) -> None:
         for _, fn, arrays in jobs:
             fn(*arrays)
         return
+    if _queued:
+        _queued[0].extend(jobs)
+        return
     parts = [_split(kind, arrays) for kind, _, arrays in jobs]
     if any(p is None for p in parts):  # each job on its own, split or not
         for job, part in zip(jobs, parts, strict=True):
@@ -188,6 +192,24 @@ def _together(jobs, parts) -> None:
             _two(jobs[0][1], *parts[0])
         else:
             _two(_each, [jobs, [p[0] for p in parts]], [jobs, [p[1] for p in parts]])
+
+
+@contextlib.contextmanager
+def deferred():
+    """Inside, together() (in_halves, by_columns, by_batch too) only queues its jobs, and at the
+    end they all run as ONE together(): a chain of row-wise ops (a layernorm, the GEMMs it feeds,
+    their bias, GELU and residual adds) in one hand-off. The code inside must not read what a
+    queued job writes (no cast of an output, no sum of one) and its jobs must meet at the same
+    rows (together's rule). Off the main thread, with a 1-thread pool or nested: plain calls."""
+    if _queued or not _on():
+        yield
+        return
+    _queued.append([])
+    try:
+        yield
+    finally:
+        jobs = _queued.pop()
+    together(*jobs)
 
 
 def in_halves(fn, *arrays) -> None:

@@ -214,3 +214,25 @@ def test_one_blas_thread_restores_the_pool():
     with halves.one_blas_thread():
         assert halves.blas.threads() in (None, 1)
     assert halves.blas.threads() == before
+
+
+@pytest.mark.parametrize("dtype", ["float32", "mixed"])
+def test_block_forward_in_three_handoffs(handoffs, monkeypatch, dtype):
+    """At sizes whose GEMMs split, a dense block's forward is three hand-offs (LN1 + q/k/v;
+    attention; projection + LN2 + MLP: halves.deferred) when nothing is cast, one per layer when
+    bf16 casts sit between them; the step is bitwise the one-call definition either way."""
+    cfg = ModelConfig(
+        vocab_size=32, max_seq_len=128, d_model=256, n_heads=2, n_layers=1, dtype=dtype
+    )
+    params = init_params(cfg, 0)
+    tokens, targets = synthetic_batch(0, 0, 3, 128, 32)
+
+    def run():
+        loss, cache = model_forward(params, tokens, targets, cfg)
+        return [loss, *model_backward(cache).values()]
+
+    got = run()
+    # the jobs per hand-off: LN1 1 + q/k/v 2 x 3; attention; wo 3 (GEMM, bias, residual), LN2 1,
+    # w1 + GELU 3, w2 3. bf16: LN1 alone (q/k/v read its cast output), then q/k/v, attention
+    assert handoffs[:3] == ([7, 1, 10] if dtype == "float32" else [1, 6, 1])
+    _same(got, _one_call(run, monkeypatch))
