@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import sys
 import time
 
@@ -31,6 +32,11 @@ import numpy as np
 from emulator import blas, block, halves, model, ops, optim
 from emulator.data import synthetic_batch
 from emulator.optim import AdamW
+
+try:  # the linear layers' GEMM half (a tree from before emulator/linear.py: ops')
+    from emulator.linear import _matmul_into as _matmul
+except ImportError:
+    _matmul = getattr(ops, "_matmul_into", None)
 
 _acc = {"gemm": 0.0, "halves": 0.0, "inner": 0.0}
 
@@ -61,17 +67,34 @@ def _big(axis):
     return check
 
 
+def _jobs_big(*jobs):
+    """Whether halves.together would split these jobs at 2 threads (every job splits)."""
+    axis = {"rows": 0, "columns": -1, "batch": 0}
+    return all(kind in axis and _big(axis[kind])(fn, *arrays) for kind, fn, arrays in jobs)
+
+
+def _together(real):
+    """halves.together timed as "gemm" when a job is a linear layer's GEMM, else "halves"."""
+    gemm = _timed("gemm", real, _jobs_big)
+    rest = _timed("halves", real, _jobs_big)
+
+    def run(*jobs):
+        is_gemm = any(getattr(fn, "func", None) is _matmul for _, fn, _ in jobs)
+        return (gemm if is_gemm else rest)(*jobs)
+
+    return run
+
+
 def instrument() -> None:
     """Wrap this tree's split points and linear layers (whichever exist in it)."""
     from emulator import moe
 
     mods = [ops, block, model, optim, moe]
-    try:
-        from emulator import attention
-
-        mods.append(attention)
-    except ImportError:  # a tree from before emulator/attention.py
-        pass
+    for extra in ("attention", "linear"):
+        try:  # a tree from before emulator/attention.py (linear.py)
+            mods.append(importlib.import_module(f"emulator.{extra}"))
+        except ImportError:
+            pass
     for name, axis in (("in_halves", 0), ("by_columns", -1), ("by_batch", 0)):
         real = getattr(halves, name, None)
         if real is None:
@@ -80,6 +103,12 @@ def instrument() -> None:
         for mod in mods:
             if getattr(mod, name, None) is real:
                 setattr(mod, name, one)
+    real = getattr(halves, "together", None)
+    if real is not None:  # the fourth pass: jobs handed off together
+        one = _together(lambda *jobs: [fn(*arrays) for _, fn, arrays in jobs])
+        for mod in mods:
+            if getattr(mod, "together", None) is real:
+                mod.together = one
     for name in ("linear_forward", "linear_backward"):
         real = getattr(ops, name)
         for mod in mods:

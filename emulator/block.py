@@ -12,66 +12,58 @@ All three run the same arithmetic in the same order, so the gradients are bitwis
 
 from __future__ import annotations
 
-import numpy as np
+import contextlib
 
-from emulator.halves import in_halves
+from emulator.halves import deferred
 from emulator.memory import saved_nbytes
 from emulator.moe import moe_backward, moe_forward
 from emulator.ops import (
-    _iadd,
     attention_backward,
     attention_forward,
-    gelu_backward,
-    gelu_forward,
     layernorm_backward,
     layernorm_forward,
     linear_backward,
     linear_forward,
+    linear_gelu_backward,
+    linear_gelu_forward,
+    linears_backward,
+    linears_forward,
 )
-from emulator.precision import add, arith_dtype, down, up
+from emulator.precision import add, arith_dtype
 
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = (attention_forward, attention_backward)  # the single-rank core (default attention=)
 MOE = (moe_forward, moe_backward)  # the single-rank MoE block (the default of moe_fn=)
 
 
-def _add_into(x, y):
-    """add(x, y), written into y's buffer when no cast is involved: y must be a fresh result that
-    nothing else holds (a linear layer's output, a backward's dx). IEEE addition commutes, so
-    y + x is bitwise x + y; one (B, S, H) array fewer per residual."""
-    if x.dtype == y.dtype == arith_dtype(y.dtype) and x.shape == y.shape:
-        in_halves(_iadd, y, x)  # two threads for large C-contiguous arrays (emulator/halves.py)
-        return y
-    return add(x, y)
-
-
-def _sum3(a, b, c):
-    """a = (a + b) + c in a's buffer."""
-    np.add(a, b, out=a)
-    a += c
+def _fused(x):
+    """One hand-off for the row-wise ops in the block (halves.deferred) when nothing is cast
+    between them (bf16 casts read the values: the ops then run one by one)."""
+    return deferred() if x.dtype == arith_dtype(x.dtype) else contextlib.nullcontext()
 
 
 def _forward(bp, x, cfg, groups, keep_probs, attention, moe_fn):
     """-> (x_out, aux, cache). The computation shared by every mode."""
     c = {}
-    a, c["ln1"] = layernorm_forward(x, bp["ln1.gain"], bp["ln1.bias"], cfg.ln_eps)  # (B, S, H)
-    q, c["q"] = linear_forward(a, bp["attn.wq"], bp["attn.bq"])  # the three share input a
-    k, c["k"] = linear_forward(a, bp["attn.wk"], bp["attn.bk"])
-    v, c["v"] = linear_forward(a, bp["attn.wv"], bp["attn.bv"])
+    with _fused(x):  # LN1 and the three projections, on the same rows
+        a, c["ln1"] = layernorm_forward(x, bp["ln1.gain"], bp["ln1.bias"], cfg.ln_eps)  # (B, S, H)
+        qkv = [(bp[f"attn.w{n}"], bp[f"attn.b{n}"]) for n in "qkv"]
+        (q, c["q"]), (k, c["k"]), (v, c["v"]) = linears_forward(a, qkv)  # the three share input a
     n_heads = cfg.n_heads * bp["attn.wq"].shape[1] // cfg.d_model  # fewer under tensor parallel
     o, c["attn"] = attention[0](q, k, v, n_heads, keep_probs=keep_probs)
-    y, c["o"] = linear_forward(o, bp["attn.wo"], bp["attn.bo"])
-    x = _add_into(x, y)  # y: the projection's fresh output
-    m, c["ln2"] = layernorm_forward(x, bp["ln2.gain"], bp["ln2.bias"], cfg.ln_eps)
-    if cfg.is_moe:
-        mp = {n[4:]: bp[n] for n in ("moe.router", "moe.w1", "moe.b1", "moe.w2", "moe.b2")}
-        kw = {"top_k": cfg.moe_top_k, "capacity_factor": cfg.capacity_factor}
-        y, aux, c["moe"] = moe_fn[0](mp, m, groups, **kw)
-    else:
-        z, c["w1"] = linear_forward(m, bp["mlp.w1"], bp["mlp.b1"])  # (B, S, F)
-        h, c["gelu"] = gelu_forward(z)
-        y, c["w2"] = linear_forward(h, bp["mlp.w2"], bp["mlp.b2"])
-        return _add_into(x, y), 0.0, c
+    with _fused(x):  # the projection, LN2 and the MLP, on the same rows
+        x, c["o"] = linear_forward(o, bp["attn.wo"], bp["attn.bo"], residual=x)  # x + o wo + bo
+        m, c["ln2"] = layernorm_forward(x, bp["ln2.gain"], bp["ln2.bias"], cfg.ln_eps)
+        if not cfg.is_moe:
+            h, (c["gelu"], c["w1"]) = linear_gelu_forward(
+                m, bp["mlp.w1"], bp["mlp.b1"]
+            )  # (B, S, F)
+            x, c["w2"] = linear_forward(h, bp["mlp.w2"], bp["mlp.b2"], residual=x)
+    if not cfg.is_moe:
+        return x, 0.0, c
+    mp = {n[4:]: bp[n] for n in ("moe.router", "moe.w1", "moe.b1", "moe.w2", "moe.b2")}
+    kw = {"top_k": cfg.moe_top_k, "capacity_factor": cfg.capacity_factor}
+    y, aux, c["moe"] = moe_fn[0](mp, m, groups, **kw)
     return add(x, y), aux, c  # an MoE block's y may be held by its cache (moe_fn's own)
 
 
@@ -117,23 +109,16 @@ def block_backward(dx, cache, daux=None):
         dm, dmp = cache["moe_fn"][1](dx, c["moe"], daux)
         g.update({"moe." + n: d for n, d in dmp.items()})
     else:
-        dh, g["mlp.w2"], g["mlp.b2"] = linear_backward(dx, c["w2"])
-        dz = gelu_backward(dh, c["gelu"])
+        dz, g["mlp.w2"], g["mlp.b2"] = linear_gelu_backward(dx, c["w2"], c["gelu"])
         dm, g["mlp.w1"], g["mlp.b1"] = linear_backward(dz, c["w1"])
-    dln2, g["ln2.gain"], g["ln2.bias"] = layernorm_backward(dm, c["ln2"])
-    dx = _add_into(dx, dln2)  # residual: the gradient reaches x directly and through LN2
+    # residual: the gradient reaches x directly and through LN2 (dx + dln2, in dln2's buffer)
+    dx, g["ln2.gain"], g["ln2.bias"] = layernorm_backward(dm, c["ln2"], residual=dx)
     do, g["attn.wo"], g["attn.bo"] = linear_backward(dx, c["o"])
     dq, dk, dv = cache["attention"][1](do, c["attn"])
-    da_q, g["attn.wq"], g["attn.bq"] = linear_backward(dq, c["q"])
-    da_k, g["attn.wk"], g["attn.bk"] = linear_backward(dk, c["k"])
-    da_v, g["attn.wv"], g["attn.bv"] = linear_backward(dv, c["v"])
-    if da_q.dtype == arith_dtype(da_q.dtype):  # (da_q + da_k) + da_v in da_q's fresh buffer
-        da = da_q
-        in_halves(_sum3, da_q, da_k, da_v)
-    else:
-        da = down(up(da_q) + up(da_k) + up(da_v), dx.dtype)
-    dln1, g["ln1.gain"], g["ln1.bias"] = layernorm_backward(da, c["ln1"])
-    dx = _add_into(dx, dln1)
+    da, dqkv = linears_backward((dq, dk, dv), (c["q"], c["k"], c["v"]))  # (da_q + da_k) + da_v
+    for n, (dw, db) in zip("qkv", dqkv, strict=True):
+        g[f"attn.w{n}"], g[f"attn.b{n}"] = dw, db
+    dx, g["ln1.gain"], g["ln1.bias"] = layernorm_backward(da, c["ln1"], residual=dx)
     if mem is not None:
         if cache["mode"] == "full":
             mem.free("activations", name + ".recomputed")

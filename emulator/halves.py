@@ -24,8 +24,12 @@ call waits for a core another job holds. Measured under load 19 (float32 step, 2
 20 steps): 3.9 s with the pool's threads for the GEMMs, 1.2 s with halves (process CPU 1.2 s vs
 0.46 s; one thread's step is 0.37 s of CPU).
 
-fn(first half) runs on a helper thread and fn(second half) here. Checked: tests/emulator/
-test_halves*.py against the one call, and `bench model --digest` against the unsplit tree.
+fn(first half) runs on a helper thread and fn(second half) here. ``together`` hands several such
+jobs to the helper at once (a GEMM, its bias add and a residual add on the same rows; a linear
+backward's three GEMM-and-sum jobs): one wake-up of the helper per op group instead of one per
+job. The helper is one persistent thread woken through a lock (half a ThreadPoolExecutor's
+submit-and-wait CPU: ~15 against ~30 us). Checked: tests/emulator/test_halves*.py against the one
+call, and `bench model --digest` against the unsplit tree.
 
 It splits only on the main thread (virtual ranks are other threads and get 1 BLAS thread each,
 emulator/blas.py), with the OpenBLAS pool at >= 2 threads, for arrays of at least MIN_SIZE
@@ -37,20 +41,58 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 from emulator import blas
 
 MIN_SIZE = 1 << 16  # below this the hand-off (tens of microseconds) costs more than it saves
 WAIT_S = 600.0  # a half is milliseconds of arithmetic; waiting longer means something is wrong
+ROWS, COLUMNS, BATCH = "rows", "columns", "batch"  # the three ways a job splits (module doc)
+ONE = "one"  # a job that is one call (a GEMM too small to halve)
 _pool: list = []
 _lock = threading.Lock()
+_queued: list = []  # [jobs] inside deferred(): the jobs together() queues (main thread only)
 
 
-def _helper() -> ThreadPoolExecutor:
+class _Helper:
+    """The helper thread: it sleeps on ``_go``, runs the half it is given, releases ``_done``."""
+
+    def __init__(self):
+        self._go, self._done = threading.Lock(), threading.Lock()
+        self._go.acquire()
+        self._done.acquire()
+        self._task, self._error, self.busy = None, None, False
+        threading.Thread(target=self._loop, name="distemu-halves", daemon=True).start()
+
+    def _loop(self):
+        while True:
+            self._go.acquire()
+            fn, args = self._task
+            try:
+                fn(*args)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+                self._error = e
+            self._task = None
+            self._done.release()
+
+    def two(self, fn, first, second):
+        self._task, self.busy = (fn, first), True
+        self._go.release()
+        try:
+            fn(*second)
+        finally:
+            done = self._done.acquire(timeout=WAIT_S)
+            self.busy = False
+            if not done:
+                raise TimeoutError(f"halves: the helper's half took over {WAIT_S} s")
+            error, self._error = self._error, None
+            if error is not None:
+                raise error
+
+
+def _helper() -> _Helper:
     with _lock:
         if not _pool:
-            _pool.append(ThreadPoolExecutor(1, thread_name_prefix="distemu-halves"))
+            _pool.append(_Helper())
         return _pool[0]
 
 
@@ -67,62 +109,126 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
 
 
+def _on() -> bool:
+    """Whether this thread splits at all: the main thread, with a >= 2-thread BLAS pool."""
+    return threading.current_thread() is threading.main_thread() and (blas.threads() or 1) >= 2
+
+
 def enabled(size: int) -> bool:
     """Whether an array of ``size`` elements would be split here, now."""
-    if size < MIN_SIZE or threading.current_thread() is not threading.main_thread():
-        return False
-    return (blas.threads() or 1) >= 2
+    return size >= MIN_SIZE and _on()
 
 
 def _two(fn, first, second) -> None:
-    """fn(*first) on the helper thread while fn(*second) runs here."""
-    fut = _helper().submit(fn, *first)
-    try:
+    """fn(*first) on the helper thread while fn(*second) runs here (both here, one after the
+    other, when a half itself splits: the helper is busy with the outer first half)."""
+    helper = _helper()
+    if helper.busy:
+        fn(*first)
         fn(*second)
+        return
+    helper.two(fn, first, second)
+
+
+def _split(kind, arrays):
+    """-> (first, second): the arrays' views for each half of a ``kind`` split, or None when the
+    job is one call (too small or not splittable; ``_on()`` is the caller's)."""
+    a0 = arrays[0]
+    if kind == ONE or not a0.ndim or max(a.size for a in arrays) < MIN_SIZE:
+        return None
+    if kind == ROWS:  # C-contiguous, sharing the leading shape (..., X); X may differ
+        if not all(a.shape[:-1] == a0.shape[:-1] and a.flags.c_contiguous for a in arrays):
+            return None
+        arrays = [a.reshape(-1, a.shape[-1]) for a in arrays]  # views: C-contiguous
+        h = arrays[0].shape[0] // 2
+        first, second = [a[:h] for a in arrays], [a[h:] for a in arrays]
+    elif kind == COLUMNS:  # sharing the last axis' length
+        if not all(a.ndim and a.shape[-1] == a0.shape[-1] for a in arrays):
+            return None
+        h = a0.shape[-1] // 2
+        first, second = [a[..., :h] for a in arrays], [a[..., h:] for a in arrays]
+    else:  # BATCH: sharing axis 0's length
+        if not all(a.ndim and a.shape[0] == a0.shape[0] for a in arrays):
+            return None
+        h = a0.shape[0] // 2
+        first, second = [a[:h] for a in arrays], [a[h:] for a in arrays]
+    return (first, second) if h else None
+
+
+def _each(jobs, halves_) -> None:
+    for (_, fn, _), part in zip(jobs, halves_, strict=True):
+        fn(*part)
+
+
+def together(*jobs) -> None:
+    """Each job (kind, fn, arrays) is fn(*arrays) split as ``kind`` (ROWS, COLUMNS, BATCH; see
+    in_halves, by_columns, by_batch), the jobs in order; when every job splits, all their first
+    halves run on the helper in ONE hand-off, and their second halves here. So a job may read
+    what an earlier one wrote only in the same rows of the same half: both split at half of the
+    same row count (a GEMM's output (N, X) and a ROWS job on it, N rows). Otherwise each job is
+    split (or not) on its own, one after the other: the same operations per element either way."""
+    if not _on():  # a virtual rank's thread, or a 1-thread pool: the plain calls
+        for _, fn, arrays in jobs:
+            fn(*arrays)
+        return
+    if _queued:
+        _queued[0].extend(jobs)
+        return
+    parts = [_split(kind, arrays) for kind, _, arrays in jobs]
+    if any(p is None for p in parts):  # each job on its own, split or not
+        for job, part in zip(jobs, parts, strict=True):
+            if part is None:
+                job[1](*job[2])
+            else:
+                _together([job], [part])
+        return
+    _together(jobs, parts)
+
+
+def _together(jobs, parts) -> None:
+    blas_one = any(kind == BATCH for kind, _, _ in jobs)
+    with one_blas_thread() if blas_one else contextlib.nullcontext():
+        if len(jobs) == 1:
+            _two(jobs[0][1], *parts[0])
+        else:
+            _two(_each, [jobs, [p[0] for p in parts]], [jobs, [p[1] for p in parts]])
+
+
+@contextlib.contextmanager
+def deferred():
+    """Inside, together() (in_halves, by_columns, by_batch too) only queues its jobs, and at the
+    end they all run as ONE together(): a chain of row-wise ops (a layernorm, the GEMMs it feeds,
+    their bias, GELU and residual adds) in one hand-off. The code inside must not read what a
+    queued job writes (no cast of an output, no sum of one) and its jobs must meet at the same
+    rows (together's rule). Off the main thread, with a 1-thread pool or nested: plain calls."""
+    if _queued or not _on():
+        yield
+        return
+    _queued.append([])
+    try:
+        yield
     finally:
-        fut.result(timeout=WAIT_S)  # re-raises the helper's exception, if any
+        jobs = _queued.pop()
+    together(*jobs)
 
 
 def in_halves(fn, *arrays) -> None:
     """fn(*arrays) for a row-wise fn writing into some of the arrays: elementwise, or reducing
     each row's last axis. The arrays are C-contiguous and share their leading shape (..., X); X
     may differ (e.g. a layernorm's (N, H) and (N, 1))."""
-    a0 = arrays[0]
-    same = all(a.shape[:-1] == a0.shape[:-1] and a.flags.c_contiguous for a in arrays)
-    if not (same and a0.ndim and enabled(max(a.size for a in arrays))):
-        fn(*arrays)
-        return
-    rows = [a.reshape(-1, a.shape[-1]) for a in arrays]  # views: the arrays are C-contiguous
-    h = rows[0].shape[0] // 2
-    if h == 0:
-        fn(*arrays)
-        return
-    _two(fn, [r[:h] for r in rows], [r[h:] for r in rows])
+    together((ROWS, fn, arrays))
 
 
 def by_columns(fn, *arrays) -> None:
     """fn(*arrays) for a fn that treats each index of the last axis on its own (sums over the
     other axes, scatter-adds of rows); the arrays share the last axis' length."""
-    n = arrays[0].shape[-1] if arrays[0].ndim else 0
-    h = n // 2
-    same = all(a.ndim and a.shape[-1] == n for a in arrays)
-    if not (same and h and enabled(max(a.size for a in arrays))):
-        fn(*arrays)
-        return
-    _two(fn, [a[..., :h] for a in arrays], [a[..., h:] for a in arrays])
+    together((COLUMNS, fn, arrays))
 
 
 def by_batch(fn, *arrays) -> None:
     """fn(*arrays) for a fn independent along axis 0 (the batch), run on its two halves with the
     BLAS pool at one thread; the arrays share axis 0's length."""
-    n = arrays[0].shape[0] if arrays[0].ndim else 0
-    h = n // 2
-    same = all(a.ndim and a.shape[0] == n for a in arrays)
-    if not (same and h and enabled(max(a.size for a in arrays))):
-        fn(*arrays)
-        return
-    with one_blas_thread():
-        _two(fn, [a[:h] for a in arrays], [a[h:] for a in arrays])
+    together((BATCH, fn, arrays))
 
 
 @contextlib.contextmanager

@@ -18,11 +18,24 @@ import numpy as np
 
 from emulator import heap
 from emulator.attention import _heads, _merge, attention_backward, attention_forward  # noqa: F401
-from emulator.halves import by_batch, by_columns, in_halves
+from emulator.halves import COLUMNS, ROWS, by_columns, in_halves, together
+from emulator.linear import (  # noqa: F401 - re-exported: ops is the layers' public face
+    GEMM_HALF_MIN,
+    _backward_done,
+    _backward_jobs,
+    _forward_done,
+    _forward_jobs,
+    _gemm,
+    _iadd,
+    add_into,
+    linear_backward,
+    linear_forward,
+    linears_backward,
+    linears_forward,
+)
 from emulator.precision import arith_dtype, down, up
 
 GELU_C = math.sqrt(2.0 / math.pi)
-GEMM_HALF_MIN = 128  # the half's M, K and N; OpenBLAS's small-matrix path is for M N K <= 100^3
 heap.keep_freed_memory()  # a step's activations reuse the last step's memory (emulator/heap.py)
 
 
@@ -56,57 +69,6 @@ def _embedding_sums(dtok, d, rows, *, ids):
     np.sum(d, axis=0, out=rows)
 
 
-def _iadd(y, x):
-    """y += x in place (x broadcasts: a bias row, or the same shape)."""
-    np.add(y, x, out=y)
-
-
-def _sum_rows_into(a, out):
-    """out (X,) = a (N, X) summed over its rows."""
-    np.sum(a, axis=0, out=out)
-
-
-# ---- linear: y = x @ w + b, w (in, out) ----------------------------------------------------------
-def _gemm(a, b):
-    """a (M, K) @ b (K, N): with 2 BLAS threads on the main thread, two one-thread GEMMs on the
-    halves of a's rows (halves.by_batch; a transposed view too), each row the same BLAS kernel
-    as in the one call: no BLAS worker spinning beside the halves' helper thread. Only for
-    halves of >= GEMM_HALF_MIN rows, inner and outer size: a one-row half would be NumPy's gemv
-    instead of gemm, a small one OpenBLAS's small-matrix kernel (other rounding)."""
-    out = np.empty_like(a, dtype=np.result_type(a, b), order="C", shape=(a.shape[0], b.shape[1]))
-    if min(a.shape[0] // 2, *b.shape) >= GEMM_HALF_MIN:
-        by_batch(functools.partial(_matmul_into, b=b), a, out)
-    else:
-        np.matmul(a, b, out=out)
-    return out
-
-
-def _matmul_into(a, out, *, b):
-    np.matmul(a, b, out=out)
-
-
-def linear_forward(x, w, b=None):
-    """x (..., in) -> y (..., out). Flattened to one 2-D GEMM; bf16 operands meet in fp32."""
-    x2 = up(x.reshape(-1, x.shape[-1]))  # (N, in)
-    y = _gemm(x2, up(w))  # (N, out)
-    if b is not None:
-        in_halves(functools.partial(_iadd, x=up(b)), y)
-    return down(y.reshape(*x.shape[:-1], w.shape[1]), x.dtype), (x, w, b is not None)
-
-
-def linear_backward(dy, cache):
-    """-> (dx, dw, db); db is None when the layer has no bias."""
-    x, w, has_b = cache
-    dy2 = up(dy.reshape(-1, dy.shape[-1]))  # (N, out)
-    dx = down(_gemm(dy2, up(w).T).reshape(x.shape), x.dtype)
-    dw = down(_gemm(up(x.reshape(-1, x.shape[-1])).T, dy2), w.dtype)  # (in, out)
-    db = None
-    if has_b:
-        db = np.empty(dy2.shape[1], dy2.dtype)
-        by_columns(_sum_rows_into, dy2, db)  # each column summed row after row, as sum(axis=0)
-    return dx, dw, None if db is None else down(db, w.dtype)
-
-
 # ---- layernorm over the last axis, biased variance -----------------------------------------------
 def layernorm_forward(x, gain, bias, eps):
     """x (..., H) -> y (..., H). Statistics in the arithmetic dtype (fp32 for bf16)."""
@@ -132,17 +94,27 @@ def _layernorm_into(c, xhat, y, rstd, *, gain, bias, eps):
     y += bias
 
 
-def layernorm_backward(dy, cache):
-    """-> (dx, dgain, dbias)."""
+def layernorm_backward(dy, cache, residual=None):
+    """-> (dx, dgain, dbias); with ``residual`` (dx's shape) dx is add_into(residual, dx), the
+    add on the same rows in the same hand-off (halves.together) when there is no cast."""
     xhat_s, rstd, gain = cache
     d, xhat = up(dy), up(xhat_s)
     H = d.shape[-1]
-    tmp, dx = np.empty_like(d), np.empty_like(d)  # tmp: d xhat, then dxhat xhat, xhat proj
+    dx = np.empty_like(d)  # _like: keeps an ndarray subclass flowing
+    tmp, tmp2 = np.empty_like(d), np.empty_like(d)  # the sums' d xhat; dx's dxhat xhat, proj
     dgain, dbias = np.empty(H, d.dtype), np.empty(H, d.dtype)
     rows = [a.reshape(-1, H) for a in (d, xhat, tmp)]  # (N, H); tmp's is a view
-    by_columns(_layernorm_sums, *rows, dgain, dbias)
-    in_halves(functools.partial(_layernorm_dx, gain=up(gain)), d, xhat, rstd, tmp, dx)
-    return down(dx, dy.dtype), down(dgain, gain.dtype), down(dbias, gain.dtype)
+    jobs = [(COLUMNS, _layernorm_sums, (*rows, dgain, dbias)),
+            (ROWS, functools.partial(_layernorm_dx, gain=up(gain)), (d, xhat, rstd, tmp2, dx))]  # fmt: skip
+    fused = residual is not None and dx.dtype == dy.dtype and residual.shape == dx.shape
+    fused = fused and residual.dtype == dx.dtype == arith_dtype(dx.dtype)
+    if fused:
+        jobs.append((ROWS, _iadd, (dx, residual)))
+    together(*jobs)
+    out = down(dx, dy.dtype)
+    if residual is not None and not fused:
+        out = add_into(residual, out)
+    return out, down(dgain, gain.dtype), down(dbias, gain.dtype)
 
 
 def _layernorm_sums(d, xhat, tmp, dgain, dbias):
@@ -212,6 +184,34 @@ def gelu_backward(dy, z):
     t, c2, d = (np.empty_like(c) for _ in range(3))
     in_halves(_gelu_backward_into, c, up(dy), t, c2, d)
     return down(d, z.dtype)
+
+
+def linear_gelu_forward(x, w, b):
+    """gelu_forward(linear_forward(x, w, b)) -> (h, (z, the linear's cache)): GELU's rows in
+    the GEMM's hand-off (halves.together) when z is not cast (a cast z is GELU's input)."""
+    y, jobs, _ = _forward_jobs(x, w, b, None)
+    if x.dtype != y.dtype:
+        z, lin = linear_forward(x, w, b)
+        return gelu_forward(z)[0], (z, lin)
+    h = np.empty_like(y)
+    together(*jobs, (ROWS, _gelu_forward_into, (y, h)))
+    z, lin = _forward_done(x, w, b, None, y, False)
+    return h.reshape(z.shape), (z, lin)
+
+
+def linear_gelu_backward(dy, cache, z):
+    """gelu_backward(linear_backward(dy, cache)[0], z), the linear's (dw, db): GELU's rows in
+    the dx GEMM's hand-off when dx is not cast -> (dz, dw, db)."""
+    (dx, dw, db), jobs = _backward_jobs(dy, cache)
+    if cache[0].dtype != dx.dtype:
+        together(*jobs)
+        dh, dw, db = _backward_done(cache, dx, dw, db)
+        return gelu_backward(dh, z), dw, db
+    c = up(z).reshape(dx.shape)
+    t, c2, d = (np.empty_like(c) for _ in range(3))
+    together(*jobs, (ROWS, _gelu_backward_into, (c, dx, t, c2, d)))
+    _, dw, db = _backward_done(cache, dx, dw, db)
+    return down(d.reshape(z.shape), z.dtype), dw, db
 
 
 # ---- softmax cross-entropy -----------------------------------------------------------------------

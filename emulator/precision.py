@@ -22,13 +22,14 @@ def arith_dtype(dtype) -> np.dtype:
 
 
 def up(x: np.ndarray) -> np.ndarray:
-    """View ``x`` in its arithmetic dtype (copies only for bf16)."""
-    return x.astype(arith_dtype(x.dtype), copy=False)
+    """View ``x`` in its arithmetic dtype (copies only for bf16; x itself otherwise, as
+    astype(copy=False) would return it, without the call: the small layouts make thousands)."""
+    return x.astype(np.float32) if x.dtype == BF16 else x
 
 
 def down(y: np.ndarray, dtype) -> np.ndarray:
-    """Store ``y`` as ``dtype`` (copies only when the dtype differs)."""
-    return y.astype(dtype, copy=False)
+    """Store ``y`` as ``dtype`` (copies only when the dtype differs; y itself otherwise)."""
+    return y if y.dtype == dtype else y.astype(dtype)
 
 
 def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -16,13 +16,15 @@ DTYPES = [np.float32, np.float64]
 
 @pytest.fixture
 def splits(monkeypatch):
-    """Split everything; -> the list of (first half's shape, second half's shape) handed off."""
+    """Split everything; -> the list of (first half's shape, second half's shape) of each job
+    handed off (a hand-off of several jobs, halves.together, adds one entry per job)."""
     monkeypatch.setattr(halves.blas, "threads", lambda: 2)
     monkeypatch.setattr(halves, "MIN_SIZE", 1)
     seen, two = [], halves._two
 
     def spy(fn, first, second):
-        seen.append((first[0].shape, second[0].shape))
+        parts = zip(first[1], second[1], strict=True) if fn is halves._each else [(first, second)]
+        seen.extend((f[0].shape, s[0].shape) for f, s in parts)
         two(fn, first, second)
 
     monkeypatch.setattr(halves, "_two", spy)
@@ -32,7 +34,7 @@ def splits(monkeypatch):
 def _one_call(fn, monkeypatch):
     """fn() with every split off (the one-thread definition)."""
     with monkeypatch.context() as m:
-        m.setattr(halves, "enabled", lambda size: False)
+        m.setattr(halves, "_on", lambda: False)  # no split anywhere
         return fn()
 
 
@@ -83,6 +85,60 @@ def test_gemm_by_rows(splits, monkeypatch, dtype, mkn):
     _same(got, [a @ b, at @ b])
     small = ops._gemm(a[: 2 * ops.GEMM_HALF_MIN - 1], b)  # halves below the minimum: one call
     assert len(splits) == 2 and small.tobytes() == (a[: 2 * ops.GEMM_HALF_MIN - 1] @ b).tobytes()
+
+
+@pytest.fixture
+def handoffs(monkeypatch):
+    """Split everything; -> the list of the number of jobs in each hand-off."""
+    monkeypatch.setattr(halves.blas, "threads", lambda: 2)
+    monkeypatch.setattr(halves, "MIN_SIZE", 1)
+    seen, two = [], halves._two
+
+    def spy(fn, first, second):
+        seen.append(len(first[1]) if fn is halves._each else 1)
+        two(fn, first, second)
+
+    monkeypatch.setattr(halves, "_two", spy)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N", [257, 256])
+def test_one_handoff_per_layer(handoffs, monkeypatch, dtype, N):
+    """A linear layer with its bias and residual, the q/k/v projections and their summed dx,
+    and a layernorm backward with its residual: one hand-off each (halves.together), bitwise
+    the one-call definition (odd N too: the GEMM's and the adds' row halves must meet)."""
+    rng = np.random.default_rng(N)
+    H, F = 256, 128
+    x, r, dy = (
+        _rand(rng, (1, N, H), dtype, 3),
+        _rand(rng, (1, N, F), dtype),
+        _rand(rng, (1, N, F), dtype),
+    )
+    w, b = _rand(rng, (H, F), dtype), _rand(rng, F, dtype)
+    ws = [(_rand(rng, (H, F), dtype), _rand(rng, F, dtype)) for _ in range(3)]
+    gain, bias = _rand(rng, H, dtype), _rand(rng, H, dtype)
+
+    def run():
+        y, c = ops.linear_forward(x, w, b, residual=r)
+        outs = ops.linears_forward(x, ws)
+        da, dwb = ops.linears_backward([dy, 2 * dy, r], [c for _, c in outs])
+        _, lc = ops.layernorm_forward(x, gain, bias, 1e-5)
+        dln = ops.layernorm_backward(da, lc, residual=x)
+        return [y, *(o for o, _ in outs), *ops.linear_backward(dy, c), da,
+                *(g for pair in dwb for g in pair), *dln]  # fmt: skip
+
+    got = run()
+    assert handoffs == [3, 6, 10, 1, 3, 3]  # the layernorm forward is one job anyway
+    want = _one_call(run, monkeypatch)
+    _same(got, want)
+    x2, r2 = x.reshape(-1, H), r.reshape(-1, F)
+    _same(
+        [got[0], got[4]],
+        [(r2 + (x2 @ w + b)).reshape(r.shape), (dy.reshape(-1, F) @ w.T).reshape(x.shape)],
+    )
+    dxs = [(g.reshape(-1, F) @ wq.T).reshape(x.shape) for g, (wq, _) in zip([dy, 2 * dy, r], ws)]
+    _same([got[7]], [(dxs[0] + dxs[1]) + dxs[2]])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -158,3 +214,25 @@ def test_one_blas_thread_restores_the_pool():
     with halves.one_blas_thread():
         assert halves.blas.threads() in (None, 1)
     assert halves.blas.threads() == before
+
+
+@pytest.mark.parametrize("dtype", ["float32", "mixed"])
+def test_block_forward_in_three_handoffs(handoffs, monkeypatch, dtype):
+    """At sizes whose GEMMs split, a dense block's forward is three hand-offs (LN1 + q/k/v;
+    attention; projection + LN2 + MLP: halves.deferred) when nothing is cast, one per layer when
+    bf16 casts sit between them; the step is bitwise the one-call definition either way."""
+    cfg = ModelConfig(
+        vocab_size=32, max_seq_len=128, d_model=256, n_heads=2, n_layers=1, dtype=dtype
+    )
+    params = init_params(cfg, 0)
+    tokens, targets = synthetic_batch(0, 0, 3, 128, 32)
+
+    def run():
+        loss, cache = model_forward(params, tokens, targets, cfg)
+        return [loss, *model_backward(cache).values()]
+
+    got = run()
+    # the jobs per hand-off: LN1 1 + q/k/v 2 x 3; attention; wo 3 (GEMM, bias, residual), LN2 1,
+    # w1 + GELU 3, w2 3. bf16: LN1 alone (q/k/v read its cast output), then q/k/v, attention
+    assert handoffs[:3] == ([7, 1, 10] if dtype == "float32" else [1, 6, 1])
+    _same(got, _one_call(run, monkeypatch))
