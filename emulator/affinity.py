@@ -63,6 +63,23 @@ def shares_memory(comm) -> bool:
     return isinstance(comm, VirtualComm)
 
 
+def share(group) -> tuple[int, int]:
+    """(i, R): on virtual ranks (``shares_memory``) rank i of group's R takes the items i, i + R,
+    ... of work every rank would otherwise repeat on the same shared objects (an end-of-run
+    check, an unshard); elsewhere, or alone, (0, 1): every item."""
+    if group is not None and group.size > 1 and shares_memory(group):
+        return group.rank, group.size
+    return 0, 1
+
+
+def merge_found(group, found: list, R: int) -> list:
+    """This rank's findings of its share, (order key, ..., label) tuples -> the labels of every
+    rank's, in the order one rank doing every item would have found them (gathered uncounted)."""
+    if R > 1:
+        found = sorted(f for theirs in group.allgather_object(found) for f in theirs)
+    return [f[-1] for f in found]
+
+
 def _allowed() -> set | None:
     """The cores this thread may run on, or None where the platform cannot set them."""
     if not hasattr(os, "sched_setaffinity"):

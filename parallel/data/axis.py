@@ -37,8 +37,7 @@ import dataclasses
 
 import numpy as np
 
-from emulator import scope
-from emulator.affinity import shares_memory
+from emulator import affinity, scope
 from emulator.model import to_compute
 from emulator.optim import AdamW
 from emulator.precision import compute_dtype
@@ -251,8 +250,7 @@ class DataAxis(Accumulate):
             mine = [{n: d[n] for n in part.names if n in d} for d in (params, grads)]
             group = part.group
             every = group.allgather_object(mine)
-            split = shares_memory(group) and group.size > 1
-            at, R = (group.rank, group.size) if split else (0, 1)
+            at, R = affinity.share(group)
             where, found = part.label or "dp", []
             for i, what in enumerate(("param", "grad")):
                 for j, (n, x) in enumerate(every[0][i].items()):
@@ -263,9 +261,7 @@ class DataAxis(Accumulate):
                     if diff:
                         label = f"{what} {n} over {where} (group ranks {diff} differ from 0)"
                         found.append((i, j, label))
-            if split:  # every rank's findings, in the order one rank would have found them
-                found = sorted(f for theirs in group.allgather_object(found) for f in theirs)
-            bad += [label for _, _, label in found]
+            bad += affinity.merge_found(group, found, R)
         return bad
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from emulator.affinity import shares_memory
+from emulator.affinity import share
 from emulator.ledger import format_table
 
 KINDS = ("replicate", "col", "row", "vocab", "experts", "seq")
@@ -134,10 +134,11 @@ def unshard_once(group, shards: list, plan: dict) -> dict:
     (uncounted), so the group does the work once instead of R times; the full arrays are then
     shared by the group's ranks (as any allgather_object's are). Elsewhere each rank unshards:
     an object sent to another process is copied anyway."""
-    if not shares_memory(group) or group.size == 1:
+    part, R = share(group)
+    if R == 1:
         return unshard(shards, plan)
-    names, R = list(shards[0]), group.size
-    mine = unshard([{n: s[n] for n in names[group.rank :: R]} for s in shards], plan)
+    names = list(shards[0])
+    mine = unshard([{n: s[n] for n in names[part::R]} for s in shards], plan)
     parts = group.allgather_object(mine)
     return {n: parts[i % R][n] for i, n in enumerate(names)}
 

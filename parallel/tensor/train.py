@@ -19,8 +19,7 @@ import dataclasses
 
 import numpy as np
 
-from emulator import Mesh, scope
-from emulator.affinity import shares_memory
+from emulator import Mesh, affinity, scope
 from emulator.data import split_microbatches
 from emulator.guards import check_finite, check_training
 from emulator.model import check_inputs, init_params, to_compute
@@ -81,8 +80,7 @@ def replica_mismatch(every: list, plan: dict, group=None) -> list[str]:
     ``group``: the tp group every rank of which calls this with the same ``every``; on virtual
     ranks (``shares_memory``) rank i compares every R-th tensor and the findings are gathered
     (uncounted), so the group compares each tensor once, not R times."""
-    split = group is not None and shares_memory(group) and group.size > 1
-    part, R = (group.rank, group.size) if split else (0, 1)
+    part, R = affinity.share(group)
     bad = []
     for i, what in enumerate(("param", "grad")):
         for j, (n, x) in enumerate(every[0][i].items()):
@@ -90,9 +88,7 @@ def replica_mismatch(every: list, plan: dict, group=None) -> list[str]:
                 continue
             if any(not np.array_equal(x, e[i][n]) for e in every[1:]):
                 bad.append((i, j, f"{what} {n}"))
-    if split:  # the findings of every rank, in the order one rank would have found them
-        bad = sorted(b for found in group.allgather_object(bad) for b in found)
-    return [label for _, _, label in bad]
+    return affinity.merge_found(group, bad, R)
 
 
 def tp_train(mesh, cfg, seed, batches, steps, *, sequence_parallel=False, regather=True,
