@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from emulator import affinity
 from emulator.data import shard_batch, split_microbatches
 from emulator.guards import check_finite, check_training
@@ -75,7 +73,7 @@ def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microba
     check_training("train_data_parallel", steps=steps, microbatches=microbatches, lr=lr,
                    betas=betas, eps=eps, weight_decay=weight_decay, max_norm=max_norm)  # fmt: skip
     first = batches(0) if callable(batches) else batches[0]
-    B, S = np.shape(first[0])  # one_core: virtual ranks with little work share a core
+    B, S = check_inputs(*first, cfg)[0].shape  # one_core: ranks with little work share a core
     small = one_core
     if small is None:  # the rule: emulator/affinity.py
         small = (
