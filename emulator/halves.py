@@ -27,7 +27,9 @@ call waits for a core another job holds. Measured under load 19 (float32 step, 2
 fn(first half) runs on a helper thread and fn(second half) here. ``together`` hands several such
 jobs to the helper at once (a GEMM, its bias add and a residual add on the same rows; a linear
 backward's three GEMM-and-sum jobs): one wake-up of the helper per op group instead of one per
-job. The helper is one persistent thread woken through a lock (half a ThreadPoolExecutor's
+job; ``deferred`` queues a whole chain (a dense block's forward, or its backward's dx chain
+with ``together_then`` keeping the weight gradients for a second hand-off) and ``independent``
+takes AdamW's parameters at once. The helper is one persistent thread woken through a lock (half a ThreadPoolExecutor's
 submit-and-wait CPU: ~15 against ~30 us). Checked: tests/emulator/test_halves*.py against the one
 call, and `bench model --digest` against the unsplit tree.
 
@@ -50,7 +52,7 @@ ROWS, COLUMNS, BATCH = "rows", "columns", "batch"  # the three ways a job splits
 ONE = "one"  # a job that is one call (a GEMM too small to halve)
 _pool: list = []
 _lock = threading.Lock()
-_queued: list = []  # [jobs] inside deferred(): the jobs together() queues (main thread only)
+_queued: list = []  # [(jobs, later jobs)] inside deferred() (main thread only)
 
 
 class _Helper:
@@ -165,24 +167,26 @@ def together(*jobs) -> None:
     in_halves, by_columns, by_batch), the jobs in order; when every job splits, all their first
     halves run on the helper in ONE hand-off, and their second halves here. So a job may read
     what an earlier one wrote only in the same rows of the same half: both split at half of the
-    same row count (a GEMM's output (N, X) and a ROWS job on it, N rows). Otherwise each job is
-    split (or not) on its own, one after the other: the same operations per element either way."""
-    if not _on():  # a virtual rank's thread, or a 1-thread pool: the plain calls
+    same row count (a GEMM's output (N, X) and a ROWS job on it, N rows). A job that does not
+    split (too small) runs whole, here, between one hand-off of the jobs before it and one of
+    those after: the same operations per element either way."""
+    if not _on() or not jobs:  # a virtual rank's thread, or a 1-thread pool: the plain calls
         for _, fn, arrays in jobs:
             fn(*arrays)
         return
     if _queued:
-        _queued[0].extend(jobs)
+        _queued[0][0].extend(jobs)
         return
     parts = [_split(kind, arrays) for kind, _, arrays in jobs]
-    if any(p is None for p in parts):  # each job on its own, split or not
-        for job, part in zip(jobs, parts, strict=True):
-            if part is None:
-                job[1](*job[2])
-            else:
-                _together([job], [part])
-        return
-    _together(jobs, parts)
+    i = 0
+    while i < len(jobs):  # each run of consecutive jobs that split in one hand-off, in order
+        if parts[i] is None:
+            jobs[i][1](*jobs[i][2])
+            i += 1
+            continue
+        j = next((j for j in range(i, len(jobs)) if parts[j] is None), len(jobs))
+        _together(jobs[i:j], parts[i:j])
+        i = j
 
 
 def _together(jobs, parts) -> None:
@@ -194,22 +198,60 @@ def _together(jobs, parts) -> None:
             _two(_each, [jobs, [p[0] for p in parts]], [jobs, [p[1] for p in parts]])
 
 
+def together_then(jobs, later) -> None:
+    """together(*jobs, *later): the ``later`` jobs read every row of arrays that are complete
+    before this call (a weight gradient's GEMM x^T dy, a bias or gain sum of dy). Inside
+    deferred() the jobs join its hand-off and the later ones a second hand-off after it, when
+    every row of what the jobs wrote is there (their inputs may be outputs of queued jobs)."""
+    if _queued and _on():
+        _queued[0][0].extend(jobs)
+        _queued[0][1].extend(later)
+        return
+    together(*jobs, *later)
+
+
 @contextlib.contextmanager
 def deferred():
     """Inside, together() (in_halves, by_columns, by_batch too) only queues its jobs, and at the
-    end they all run as ONE together(): a chain of row-wise ops (a layernorm, the GEMMs it feeds,
-    their bias, GELU and residual adds) in one hand-off. The code inside must not read what a
-    queued job writes (no cast of an output, no sum of one) and its jobs must meet at the same
-    rows (together's rule). Off the main thread, with a 1-thread pool or nested: plain calls."""
+    end they all run as ONE together(), then together_then's later jobs as a second one: a chain
+    of row-wise ops (a layernorm, the GEMMs it feeds, their bias, GELU and residual adds; a
+    block's backward, its weight gradients after) in one hand-off. The code inside must not read
+    what a queued job writes (no cast of an output, no sum of one) and its jobs must meet at the
+    same rows (together's rule: a BATCH job on (B, S, ...) meets ROWS ones on (B S, ...) when B
+    is even). Off the main thread, with a 1-thread pool or nested: plain calls."""
     if _queued or not _on():
         yield
         return
-    _queued.append([])
+    _queued.append(([], []))
     try:
         yield
     finally:
-        jobs = _queued.pop()
+        jobs, later = _queued.pop()
     together(*jobs)
+    together(*later)
+
+
+def independent(*jobs) -> None:
+    """Jobs (kind, fn, arrays) that touch disjoint arrays (AdamW's parameters): the ones that
+    split have their first halves on the helper in ONE hand-off, while this thread runs their
+    second halves and then the jobs that do not split (too small) whole."""
+    if not _on():
+        for _, fn, arrays in jobs:
+            fn(*arrays)
+        return
+    parts = [_split(kind, arrays) for kind, _, arrays in jobs]
+    split = [(job, p) for job, p in zip(jobs, parts, strict=True) if p is not None]
+    whole = [job for job, p in zip(jobs, parts, strict=True) if p is None]
+    if not split:
+        for _, fn, arrays in whole:
+            fn(*arrays)
+        return
+    first = [p[0] for _, p in split]
+    second = [p[1] for _, p in split] + [arrays for _, _, arrays in whole]
+    fns = [job for job, _ in split]
+    blas_one = any(kind == BATCH for kind, _, _ in fns)
+    with one_blas_thread() if blas_one else contextlib.nullcontext():
+        _two(_each, [fns, first], [fns + whole, second])
 
 
 def in_halves(fn, *arrays) -> None:
