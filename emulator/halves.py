@@ -200,9 +200,10 @@ def _together(jobs, parts) -> None:
 
 def together_then(jobs, later) -> None:
     """together(*jobs, *later): the ``later`` jobs read every row of arrays that are complete
-    before this call (a weight gradient's GEMM x^T dy, a bias or gain sum of dy). Inside
-    deferred() the jobs join its hand-off and the later ones a second hand-off after it, when
-    every row of what the jobs wrote is there (their inputs may be outputs of queued jobs)."""
+    before this call (a weight gradient's GEMM x^T dy, a bias or gain sum of dy) and write
+    fresh arrays of their own. Inside deferred() the jobs join its hand-off and the later ones
+    a second one after it (``independent``), when every row of what the jobs wrote is there
+    (their inputs may be outputs of queued jobs)."""
     if _queued and _on():
         _queued[0][0].extend(jobs)
         _queued[0][1].extend(later)
@@ -228,30 +229,43 @@ def deferred():
     finally:
         jobs, later = _queued.pop()
     together(*jobs)
-    together(*later)
+    independent(*later)
 
 
 def independent(*jobs) -> None:
-    """Jobs (kind, fn, arrays) that touch disjoint arrays (AdamW's parameters): the ones that
-    split have their first halves on the helper in ONE hand-off, while this thread runs their
-    second halves and then the jobs that do not split (too small) whole."""
+    """Jobs (kind, fn, arrays) that write disjoint arrays and read none that another writes
+    (AdamW's parameters; a backward's weight gradients and sums), in ONE hand-off: the ROWS and
+    BATCH ones by halves; the COLUMNS ones (sums over rows) whole, largest first, each on the
+    side with less whole work so far (by column halves each thread reads every row, half of
+    them from the other core's cache: 3-4x the CPU of the whole sum at 2 threads, measured);
+    those too small to split whole on this thread. A whole job's other half is empty (no
+    columns, no rows). GEMMs too small to halve (ONE) run after it, at the pool's size."""
     if not _on():
         for _, fn, arrays in jobs:
             fn(*arrays)
         return
-    parts = [_split(kind, arrays) for kind, _, arrays in jobs]
-    split = [(job, p) for job, p in zip(jobs, parts, strict=True) if p is not None]
-    whole = [job for job, p in zip(jobs, parts, strict=True) if p is None]
-    if not split:
-        for _, fn, arrays in whole:
-            fn(*arrays)
-        return
-    first = [p[0] for _, p in split]
-    second = [p[1] for _, p in split] + [arrays for _, _, arrays in whole]
-    fns = [job for job, _ in split]
-    blas_one = any(kind == BATCH for kind, _, _ in fns)
-    with one_blas_thread() if blas_one else contextlib.nullcontext():
-        _two(_each, [fns, first], [fns + whole, second])
+    todo, first, second, load, after = [], [], [], [0, 0], []
+    for job in sorted(jobs, key=lambda j: j[0] == COLUMNS):  # the sums last, to balance
+        kind, _, arrays = job
+        part = None if kind in (ONE, COLUMNS) else _split(kind, arrays)
+        if part is None and (kind == ONE or not all(a.ndim for a in arrays)):
+            after.append(job)
+            continue
+        if part is None:  # whole on one side, an empty half on the other
+            cut = [a[..., :0] if kind == COLUMNS else a[:0] for a in arrays]
+            i = int(load[1] < load[0]) if kind == COLUMNS else 1  # 0: the helper's, 1: here
+            load[i] += sum(a.size for a in arrays)
+            part = (cut, arrays) if i else (arrays, cut)
+        todo.append(job)
+        first.append(part[0])
+        second.append(part[1])
+    if any(a.size for part in first for a in part):  # the helper has work
+        with one_blas_thread() if any(j[0] == BATCH for j in todo) else contextlib.nullcontext():
+            _two(_each, [todo, first], [todo, second])
+    else:
+        after = todo + after
+    for _, fn, arrays in after:
+        fn(*arrays)
 
 
 def in_halves(fn, *arrays) -> None:

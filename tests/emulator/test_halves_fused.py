@@ -105,7 +105,8 @@ def test_adamw_step_in_one_handoff(handoffs, monkeypatch, weight_decay):
         return [*p.values(), *opt.m.values(), *opt.v.values()]
 
     got = run()
-    assert handoffs == [2, 2]  # w and v split; b and one (one row each) run whole
+    assert handoffs == [4, 4]  # w and v split; b and one (one row each) whole here, the
+    # helper's half of each empty
     want = {n: a.copy() for n, a in params.items()}
     m, v = ({n: np.zeros(s) for n, s in shapes.items()} for _ in range(2))
     for k, g in enumerate(grads, start=1):
