@@ -134,3 +134,26 @@ def test_together_runs_around_a_whole_job(handoffs):
     assert handoffs == [2]  # the last job's broadcast view is not C-contiguous: whole too
     assert col[0] == (2 * a + 1).sum()
     assert np.array_equal(out, 2 * a + 1 - col[0])
+
+
+def test_independent_sums_whole_on_both_sides(handoffs):
+    """Sums over rows in independent(): each whole (every column) on one thread, largest first,
+    each on the side with less so far, bitwise NumPy's own sum(axis=0)."""
+    import threading
+
+    rng = np.random.default_rng(5)
+    arrays = [rng.standard_normal((n, 7 + n)) for n in (40, 30, 20)]
+    outs = [np.empty(a.shape[1]) for a in arrays]
+    seen = []
+
+    def col_sum(a, out):
+        seen.append((threading.current_thread().name, a.shape))
+        np.sum(a, axis=0, out=out)
+
+    halves.independent(*[(halves.COLUMNS, col_sum, (a, o)) for a, o in zip(arrays, outs)])
+    assert handoffs == [3]
+    for a, o in zip(arrays, outs, strict=True):
+        assert o.tobytes() == a.sum(axis=0).tobytes()
+    whole = sorted((name, shape) for name, shape in seen if shape[1])
+    assert whole == [("MainThread", (20, 27)), ("MainThread", (30, 37)),
+                     ("distemu-halves", (40, 47))]  # fmt: skip
