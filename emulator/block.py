@@ -36,7 +36,7 @@ ATTENTION = (attention_forward, attention_backward)  # the single-rank core (def
 MOE = (moe_forward, moe_backward)  # the single-rank MoE block (the default of moe_fn=)
 
 
-def _fused(x):
+def fused(x):
     """One hand-off for the row-wise ops in the block (halves.deferred) when nothing is cast
     between them (bf16 casts read the values: the ops then run one by one)."""
     return deferred() if x.dtype == arith_dtype(x.dtype) else contextlib.nullcontext()
@@ -58,13 +58,13 @@ def _forward(bp, x, cfg, groups, keep_probs, attention, moe_fn):
 
 def _forward_parts(bp, x, cfg, groups, keep_probs, attention, moe_fn):
     c = {}
-    with _fused(x):  # LN1 and the three projections, on the same rows
+    with fused(x):  # LN1 and the three projections, on the same rows
         a, c["ln1"] = layernorm_forward(x, bp["ln1.gain"], bp["ln1.bias"], cfg.ln_eps)  # (B, S, H)
         qkv = [(bp[f"attn.w{n}"], bp[f"attn.b{n}"]) for n in "qkv"]
         (q, c["q"]), (k, c["k"]), (v, c["v"]) = linears_forward(a, qkv)  # the three share input a
     n_heads = cfg.n_heads * bp["attn.wq"].shape[1] // cfg.d_model  # fewer under tensor parallel
     o, c["attn"] = attention[0](q, k, v, n_heads, keep_probs=keep_probs)
-    with _fused(x):  # the projection, LN2 and the MLP, on the same rows
+    with fused(x):  # the projection, LN2 and the MLP, on the same rows
         x, c["o"] = linear_forward(o, bp["attn.wo"], bp["attn.bo"], residual=x)  # x + o wo + bo
         m, c["ln2"] = layernorm_forward(x, bp["ln2.gain"], bp["ln2.bias"], cfg.ln_eps)
         if not cfg.is_moe:
@@ -107,10 +107,10 @@ def block_forward(bp, x, cfg, *, recompute="none", groups=None, mem=None, name="
 
 def _backward_parts(dx, dm, c, g, cfg, attention):
     """The backward from the MLP's (dm: the MoE block's, None when dense) -> dx_in; the
-    gradients go in g. Each _fused region is one
-    hand-off of row-wise jobs (the dx chain), then one of their weight gradients (every row of
-    dy: halves.together_then); under _whole's deferred, one of each for the whole block."""
-    with _fused(dx):
+    gradients go in g. Each fused() region is one hand-off of row-wise jobs (the dx chain), then
+    one of their weight gradients (every row of dy: halves.together_then); under _whole's
+    deferred, one of each for the whole block."""
+    with fused(dx):
         if dm is None:
             dz, g["mlp.w2"], g["mlp.b2"] = linear_gelu_backward(dx, c["w2"], c["gelu"])
             dm, g["mlp.w1"], g["mlp.b1"] = linear_backward(dz, c["w1"])
@@ -118,7 +118,7 @@ def _backward_parts(dx, dm, c, g, cfg, attention):
         dx, g["ln2.gain"], g["ln2.bias"] = layernorm_backward(dm, c["ln2"], residual=dx)
         do, g["attn.wo"], g["attn.bo"] = linear_backward(dx, c["o"])
     dq, dk, dv = attention[1](do, c["attn"])
-    with _fused(dx):
+    with fused(dx):
         da, dqkv = linears_backward((dq, dk, dv), (c["q"], c["k"], c["v"]))  # (da_q + da_k) + da_v
         for n, (dw, db) in zip("qkv", dqkv, strict=True):
             g[f"attn.w{n}"], g[f"attn.b{n}"] = dw, db

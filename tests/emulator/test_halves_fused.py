@@ -63,9 +63,10 @@ def test_block_in_one_forward_and_two_backward_handoffs(handoffs, monkeypatch, d
     if recompute == "full":
         block_bwd = block_fwd + block_bwd  # the forward rerun first, in its own hand-off
     assert handoffs[:2] == block_fwd * 2
-    # then the head's LN and CE (its V = 32 GEMMs are too small to split), CE's and LN's backward
-    assert handoffs[2:6] == [1, 1, 1, 2]
-    assert handoffs[6 : 6 + 2 * len(block_bwd)] == block_bwd * 2
+    # then the head's LN and CE (its V = 32 GEMMs are too small to split, so they run whole
+    # between them), CE's and LN's dx backward, LN's sums
+    assert handoffs[2:7] == [1, 1, 1, 1, 1]
+    assert handoffs[7 : 7 + 2 * len(block_bwd)] == block_bwd * 2
     _same(got, _one_call(run, monkeypatch))
 
 
@@ -82,9 +83,9 @@ def test_odd_batch_keeps_attention_apart(handoffs, monkeypatch):
 
     got = run()
     assert handoffs[:3] == [7, 1, 10]  # forward: LN1 + q/k/v; attention; wo + LN2 + MLP
-    # backward (after the head's 2 + 2): the MLP to wo's dx chain, its weight gradients and sums;
+    # backward (after the head's 2 + 3): the MLP to wo's dx chain, its weight gradients and sums;
     # attention; q/k/v's dx, their sum, LN1's dx; their weight gradients and LN1's sums
-    assert handoffs[7:12] == [6, 7, 1, 6, 7]
+    assert handoffs[8:13] == [6, 7, 1, 6, 7]
     _same(got, _one_call(run, monkeypatch))
 
 
