@@ -25,19 +25,17 @@ def adamw_update(p, g, m, v, step, *, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weig
     """
     if step < 1:
         raise ValueError(f"adamw_update: step counts from 1, got {step}")
-    _, fn, arrays = _adamw_job(p, g, m, v, step, lr, betas, eps, weight_decay)
-    in_halves(fn, *arrays)  # two threads for large arrays
+    fn = _adamw_fn(step, lr, betas, eps, weight_decay)
+    in_halves(fn, p, g.astype(p.dtype, copy=False), m, v)  # two threads for large arrays
 
 
-def _adamw_job(p, g, m, v, step, lr, betas, eps, weight_decay):
-    """-> the halves job (ROWS, fn, arrays) of one adamw_update: elementwise on p, g, m, v."""
+def _adamw_fn(step, lr, betas, eps, weight_decay):
+    """-> fn(p, g, m, v): one adamw_update, elementwise (a halves ROWS job's function)."""
     b1, b2 = betas
-    g = g.astype(p.dtype, copy=False)
     step_size, bc2 = lr / (1.0 - b1**step), math.sqrt(1.0 - b2**step)
     decay = 1.0 - lr * weight_decay if weight_decay != 0.0 else None
-    fn = functools.partial(_moments_and_step, b1=b1, b2=b2, bc2=bc2, eps=eps, step_size=step_size,
-                           decay=decay)  # fmt: skip
-    return ROWS, fn, (p, g, m, v)
+    return functools.partial(_moments_and_step, b1=b1, b2=b2, bc2=bc2, eps=eps,
+                             step_size=step_size, decay=decay)  # fmt: skip
 
 
 def _moments_and_step(p, g, m, v, *, b1, b2, bc2, eps, step_size, decay):
@@ -80,9 +78,9 @@ class AdamW:
                 f"AdamW.step: grads names differ: {sorted(set(grads) ^ set(self.m))[:5]}"
             )
         self.step_count += 1
-        h, k = self.hyper, self.step_count
-        jobs = [_adamw_job(p, grads[n], self.m[n], self.v[n], k, h["lr"], h["betas"], h["eps"],
-                           h["weight_decay"]) for n, p in params.items()]  # fmt: skip
+        fn = _adamw_fn(self.step_count, **self.hyper)
+        jobs = [(ROWS, fn, (p, grads[n].astype(p.dtype, copy=False), self.m[n], self.v[n]))
+                for n, p in params.items()]  # fmt: skip
         independent(*jobs)  # every parameter's update in one hand-off (emulator/halves.py)
 
     def state_dict(self) -> dict:
