@@ -85,6 +85,17 @@ def _together(real):
     return run
 
 
+def _independent(one):
+    """halves.independent timed job by job: each that would split or run whole beside another
+    as ``one`` (together) times it; at 2 threads only a GEMM too small to halve runs alone."""
+
+    def run(*jobs):
+        for job in jobs:
+            one(job)
+
+    return run
+
+
 def instrument() -> None:
     """Wrap this tree's split points and linear layers (whichever exist in it)."""
     from emulator import moe
@@ -106,9 +117,14 @@ def instrument() -> None:
     real = getattr(halves, "together", None)
     if real is not None:  # the fourth pass: jobs handed off together
         one = _together(lambda *jobs: [fn(*arrays) for _, fn, arrays in jobs])
-        for mod in mods:
+        for mod in [halves, *mods]:  # halves: its deferred and together_then call it
             if getattr(mod, "together", None) is real:
                 mod.together = one
+    real = getattr(halves, "independent", None)
+    if real is not None:  # the fifth pass: AdamW's and the weight gradients' jobs at once
+        for mod in [halves, *mods]:
+            if getattr(mod, "independent", None) is real:
+                mod.independent = _independent(one)
     for name in ("linear_forward", "linear_backward"):
         real = getattr(ops, name)
         for mod in mods:

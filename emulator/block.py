@@ -36,22 +36,35 @@ ATTENTION = (attention_forward, attention_backward)  # the single-rank core (def
 MOE = (moe_forward, moe_backward)  # the single-rank MoE block (the default of moe_fn=)
 
 
-def _fused(x):
+def fused(x):
     """One hand-off for the row-wise ops in the block (halves.deferred) when nothing is cast
     between them (bf16 casts read the values: the ops then run one by one)."""
     return deferred() if x.dtype == arith_dtype(x.dtype) else contextlib.nullcontext()
 
 
+def _whole(x, cfg, attention):
+    """One hand-off for the whole dense block (halves.deferred) when nothing is cast and the
+    attention core is the single-rank one (a layout's may read values: communication; so may
+    the MoE router): it splits the batch in halves, the token rows' halves when B is even."""
+    dense = not cfg.is_moe and attention is ATTENTION and x.shape[0] % 2 == 0
+    return dense and x.dtype == arith_dtype(x.dtype)
+
+
 def _forward(bp, x, cfg, groups, keep_probs, attention, moe_fn):
     """-> (x_out, aux, cache). The computation shared by every mode."""
+    with deferred() if _whole(x, cfg, attention) else contextlib.nullcontext():
+        return _forward_parts(bp, x, cfg, groups, keep_probs, attention, moe_fn)
+
+
+def _forward_parts(bp, x, cfg, groups, keep_probs, attention, moe_fn):
     c = {}
-    with _fused(x):  # LN1 and the three projections, on the same rows
+    with fused(x):  # LN1 and the three projections, on the same rows
         a, c["ln1"] = layernorm_forward(x, bp["ln1.gain"], bp["ln1.bias"], cfg.ln_eps)  # (B, S, H)
         qkv = [(bp[f"attn.w{n}"], bp[f"attn.b{n}"]) for n in "qkv"]
         (q, c["q"]), (k, c["k"]), (v, c["v"]) = linears_forward(a, qkv)  # the three share input a
     n_heads = cfg.n_heads * bp["attn.wq"].shape[1] // cfg.d_model  # fewer under tensor parallel
     o, c["attn"] = attention[0](q, k, v, n_heads, keep_probs=keep_probs)
-    with _fused(x):  # the projection, LN2 and the MLP, on the same rows
+    with fused(x):  # the projection, LN2 and the MLP, on the same rows
         x, c["o"] = linear_forward(o, bp["attn.wo"], bp["attn.bo"], residual=x)  # x + o wo + bo
         m, c["ln2"] = layernorm_forward(x, bp["ln2.gain"], bp["ln2.bias"], cfg.ln_eps)
         if not cfg.is_moe:
@@ -92,6 +105,27 @@ def block_forward(bp, x, cfg, *, recompute="none", groups=None, mem=None, name="
     return out, cache
 
 
+def _backward_parts(dx, dm, c, g, cfg, attention):
+    """The backward from the MLP's (dm: the MoE block's, None when dense) -> dx_in; the
+    gradients go in g. Each fused() region is one hand-off of row-wise jobs (the dx chain), then
+    one of their weight gradients (every row of dy: halves.together_then); under _whole's
+    deferred, one of each for the whole block."""
+    with fused(dx):
+        if dm is None:
+            dz, g["mlp.w2"], g["mlp.b2"] = linear_gelu_backward(dx, c["w2"], c["gelu"])
+            dm, g["mlp.w1"], g["mlp.b1"] = linear_backward(dz, c["w1"])
+        # residual: the gradient reaches x directly and through LN2 (dx + dln2, in dln2's buffer)
+        dx, g["ln2.gain"], g["ln2.bias"] = layernorm_backward(dm, c["ln2"], residual=dx)
+        do, g["attn.wo"], g["attn.bo"] = linear_backward(dx, c["o"])
+    dq, dk, dv = attention[1](do, c["attn"])
+    with fused(dx):
+        da, dqkv = linears_backward((dq, dk, dv), (c["q"], c["k"], c["v"]))  # (da_q + da_k) + da_v
+        for n, (dw, db) in zip("qkv", dqkv, strict=True):
+            g[f"attn.w{n}"], g[f"attn.b{n}"] = dw, db
+        dx, g["ln1.gain"], g["ln1.bias"] = layernorm_backward(da, c["ln1"], residual=dx)
+    return dx
+
+
 def block_backward(dx, cache, daux=None):
     """dx (B, S, H) = dloss/dx_out; daux = dloss/daux (default cfg.aux_loss_coef)
     -> (dx_in (B, S, H), dbp with the local names, in bp's order)."""
@@ -104,21 +138,12 @@ def block_backward(dx, cache, daux=None):
         )
         if mem is not None:
             mem.alloc("activations", name + ".recomputed", saved_nbytes(c, exclude=bp.values()))
-    g = {}
+    g, dm = {}, None
     if cfg.is_moe:
         dm, dmp = cache["moe_fn"][1](dx, c["moe"], daux)
         g.update({"moe." + n: d for n, d in dmp.items()})
-    else:
-        dz, g["mlp.w2"], g["mlp.b2"] = linear_gelu_backward(dx, c["w2"], c["gelu"])
-        dm, g["mlp.w1"], g["mlp.b1"] = linear_backward(dz, c["w1"])
-    # residual: the gradient reaches x directly and through LN2 (dx + dln2, in dln2's buffer)
-    dx, g["ln2.gain"], g["ln2.bias"] = layernorm_backward(dm, c["ln2"], residual=dx)
-    do, g["attn.wo"], g["attn.bo"] = linear_backward(dx, c["o"])
-    dq, dk, dv = cache["attention"][1](do, c["attn"])
-    da, dqkv = linears_backward((dq, dk, dv), (c["q"], c["k"], c["v"]))  # (da_q + da_k) + da_v
-    for n, (dw, db) in zip("qkv", dqkv, strict=True):
-        g[f"attn.w{n}"], g[f"attn.b{n}"] = dw, db
-    dx, g["ln1.gain"], g["ln1.bias"] = layernorm_backward(da, c["ln1"], residual=dx)
+    with deferred() if _whole(dx, cfg, cache["attention"]) else contextlib.nullcontext():
+        dx = _backward_parts(dx, dm, c, g, cfg, cache["attention"])
     if mem is not None:
         if cache["mode"] == "full":
             mem.free("activations", name + ".recomputed")

@@ -27,7 +27,9 @@ call waits for a core another job holds. Measured under load 19 (float32 step, 2
 fn(first half) runs on a helper thread and fn(second half) here. ``together`` hands several such
 jobs to the helper at once (a GEMM, its bias add and a residual add on the same rows; a linear
 backward's three GEMM-and-sum jobs): one wake-up of the helper per op group instead of one per
-job. The helper is one persistent thread woken through a lock (half a ThreadPoolExecutor's
+job; ``deferred`` queues a whole chain (a dense block's forward, or its backward's dx chain
+with ``together_then`` keeping the weight gradients for a second hand-off) and ``independent``
+takes AdamW's parameters at once. The helper is one persistent thread woken through a lock (half a ThreadPoolExecutor's
 submit-and-wait CPU: ~15 against ~30 us). Checked: tests/emulator/test_halves*.py against the one
 call, and `bench model --digest` against the unsplit tree.
 
@@ -50,7 +52,7 @@ ROWS, COLUMNS, BATCH = "rows", "columns", "batch"  # the three ways a job splits
 ONE = "one"  # a job that is one call (a GEMM too small to halve)
 _pool: list = []
 _lock = threading.Lock()
-_queued: list = []  # [jobs] inside deferred(): the jobs together() queues (main thread only)
+_queued: list = []  # [(jobs, later jobs)] inside deferred() (main thread only)
 
 
 class _Helper:
@@ -165,24 +167,26 @@ def together(*jobs) -> None:
     in_halves, by_columns, by_batch), the jobs in order; when every job splits, all their first
     halves run on the helper in ONE hand-off, and their second halves here. So a job may read
     what an earlier one wrote only in the same rows of the same half: both split at half of the
-    same row count (a GEMM's output (N, X) and a ROWS job on it, N rows). Otherwise each job is
-    split (or not) on its own, one after the other: the same operations per element either way."""
-    if not _on():  # a virtual rank's thread, or a 1-thread pool: the plain calls
+    same row count (a GEMM's output (N, X) and a ROWS job on it, N rows). A job that does not
+    split (too small) runs whole, here, between one hand-off of the jobs before it and one of
+    those after: the same operations per element either way."""
+    if not _on() or not jobs:  # a virtual rank's thread, or a 1-thread pool: the plain calls
         for _, fn, arrays in jobs:
             fn(*arrays)
         return
     if _queued:
-        _queued[0].extend(jobs)
+        _queued[0][0].extend(jobs)
         return
     parts = [_split(kind, arrays) for kind, _, arrays in jobs]
-    if any(p is None for p in parts):  # each job on its own, split or not
-        for job, part in zip(jobs, parts, strict=True):
-            if part is None:
-                job[1](*job[2])
-            else:
-                _together([job], [part])
-        return
-    _together(jobs, parts)
+    i = 0
+    while i < len(jobs):  # each run of consecutive jobs that split in one hand-off, in order
+        if parts[i] is None:
+            jobs[i][1](*jobs[i][2])
+            i += 1
+            continue
+        j = next((j for j in range(i, len(jobs)) if parts[j] is None), len(jobs))
+        _together(jobs[i:j], parts[i:j])
+        i = j
 
 
 def _together(jobs, parts) -> None:
@@ -194,22 +198,74 @@ def _together(jobs, parts) -> None:
             _two(_each, [jobs, [p[0] for p in parts]], [jobs, [p[1] for p in parts]])
 
 
+def together_then(jobs, later) -> None:
+    """together(*jobs, *later): the ``later`` jobs read every row of arrays that are complete
+    before this call (a weight gradient's GEMM x^T dy, a bias or gain sum of dy) and write
+    fresh arrays of their own. Inside deferred() the jobs join its hand-off and the later ones
+    a second one after it (``independent``), when every row of what the jobs wrote is there
+    (their inputs may be outputs of queued jobs)."""
+    if _queued and _on():
+        _queued[0][0].extend(jobs)
+        _queued[0][1].extend(later)
+        return
+    together(*jobs, *later)
+
+
 @contextlib.contextmanager
 def deferred():
     """Inside, together() (in_halves, by_columns, by_batch too) only queues its jobs, and at the
-    end they all run as ONE together(): a chain of row-wise ops (a layernorm, the GEMMs it feeds,
-    their bias, GELU and residual adds) in one hand-off. The code inside must not read what a
-    queued job writes (no cast of an output, no sum of one) and its jobs must meet at the same
-    rows (together's rule). Off the main thread, with a 1-thread pool or nested: plain calls."""
+    end they all run as ONE together(), then together_then's later jobs as a second one: a chain
+    of row-wise ops (a layernorm, the GEMMs it feeds, their bias, GELU and residual adds; a
+    block's backward, its weight gradients after) in one hand-off. The code inside must not read
+    what a queued job writes (no cast of an output, no sum of one) and its jobs must meet at the
+    same rows (together's rule: a BATCH job on (B, S, ...) meets ROWS ones on (B S, ...) when B
+    is even). Off the main thread, with a 1-thread pool or nested: plain calls."""
     if _queued or not _on():
         yield
         return
-    _queued.append([])
+    _queued.append(([], []))
     try:
         yield
     finally:
-        jobs = _queued.pop()
+        jobs, later = _queued.pop()
     together(*jobs)
+    independent(*later)
+
+
+def independent(*jobs) -> None:
+    """Jobs (kind, fn, arrays) that write disjoint arrays and read none that another writes
+    (AdamW's parameters; a backward's weight gradients and sums), in ONE hand-off: the ROWS and
+    BATCH ones by halves; the COLUMNS ones (sums over rows) whole, largest first, each on the
+    side with less whole work so far (by column halves each thread reads every row, half of
+    them from the other core's cache: 3-4x the CPU of the whole sum at 2 threads, measured);
+    those too small to split whole on this thread. A whole job's other half is empty (no
+    columns, no rows). GEMMs too small to halve (ONE) run after it, at the pool's size."""
+    if not _on():
+        for _, fn, arrays in jobs:
+            fn(*arrays)
+        return
+    todo, first, second, load, after = [], [], [], [0, 0], []
+    for job in sorted(jobs, key=lambda j: j[0] == COLUMNS):  # the sums last, to balance
+        kind, _, arrays = job
+        part = None if kind in (ONE, COLUMNS) else _split(kind, arrays)
+        if part is None and (kind == ONE or not all(a.ndim for a in arrays)):
+            after.append(job)
+            continue
+        if part is None:  # whole on one side, an empty half on the other
+            cut = [a[..., :0] if kind == COLUMNS else a[:0] for a in arrays]
+            i = int(load[1] < load[0]) if kind == COLUMNS else 1  # 0: the helper's, 1: here
+            load[i] += sum(a.size for a in arrays)
+            part = (cut, arrays) if i else (arrays, cut)
+        todo.append(job)
+        first.append(part[0])
+        second.append(part[1])
+    if any(a.size for part in first for a in part):  # the helper has work
+        with one_blas_thread() if any(j[0] == BATCH for j in todo) else contextlib.nullcontext():
+            _two(_each, [todo, first], [todo, second])
+    else:
+        after = todo + after
+    for _, fn, arrays in after:
+        fn(*arrays)
 
 
 def in_halves(fn, *arrays) -> None:

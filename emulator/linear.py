@@ -17,7 +17,7 @@ import functools
 
 import numpy as np
 
-from emulator.halves import BATCH, COLUMNS, ONE, ROWS, together
+from emulator.halves import BATCH, COLUMNS, ONE, ROWS, together, together_then
 from emulator.precision import add, arith_dtype, down, up
 
 GEMM_HALF_MIN = 128  # the half's M, K and N; OpenBLAS's small-matrix path is for M N K <= 100^3
@@ -119,17 +119,18 @@ def linears_forward(x, layers):
 
 
 def _backward_jobs(dy, cache):
-    """-> (dx (N, in), dw (in, out), db (out,) or None) buffers and their three jobs."""
+    """-> (dx (N, in), dw (in, out), db (out,) or None) buffers, dx's job, and dw's and db's
+    (they read every row of dy: halves.together_then's later jobs)."""
     x, w, has_b = cache
     dy2 = up(dy.reshape(-1, dy.shape[-1]))  # (N, out)
     wt, xt = up(w).T, up(x.reshape(-1, x.shape[-1])).T  # (out, in), (in, N)
     dx, dw = _out(dy2, wt), _out(xt, dy2)
-    jobs = [_gemm_job(dy2, wt, dx), _gemm_job(xt, dy2, dw)]
+    later = [_gemm_job(xt, dy2, dw)]
     db = None
     if has_b:  # each column summed row after row, as sum(axis=0)
         db = np.empty(dy2.shape[1], dy2.dtype)
-        jobs.append((COLUMNS, _sum_rows_into, (dy2, db)))
-    return (dx, dw, db), jobs
+        later.append((COLUMNS, _sum_rows_into, (dy2, db)))
+    return (dx, dw, db), [_gemm_job(dy2, wt, dx)], later
 
 
 def _backward_done(cache, dx, dw, db):
@@ -140,8 +141,8 @@ def _backward_done(cache, dx, dw, db):
 
 def linear_backward(dy, cache):
     """-> (dx, dw, db); db is None when the layer has no bias."""
-    out, jobs = _backward_jobs(dy, cache)
-    together(*jobs)
+    out, jobs, later = _backward_jobs(dy, cache)
+    together_then(jobs, later)
     return _backward_done(cache, *out)
 
 
@@ -149,14 +150,14 @@ def linears_backward(dys, caches):
     """The backward of linears_forward: -> (the dx's summed, (dx_0 + dx_1) + dx_2 ...,
     [(dw, db), ...]), every job in one hand-off (the sum on the rows of dx_0's buffer)."""
     built = [_backward_jobs(dy, c) for dy, c in zip(dys, caches, strict=True)]
-    dxs = [out[0] for out, _ in built]
-    jobs = [j for _, js in built for j in js]
+    dxs = [out[0] for out, _, _ in built]
+    jobs = [j for _, js, _ in built for j in js]
     x = caches[0][0]
     fold = len(dxs) > 1 and all(x.dtype == d.dtype == arith_dtype(d.dtype) for d in dxs)
     if fold:
         jobs.append((ROWS, _fold_into, tuple(dxs)))
-    together(*jobs)
-    done = [_backward_done(c, *out) for (out, _), c in zip(built, caches)]
+    together_then(jobs, [j for _, _, later in built for j in later])
+    done = [_backward_done(c, *out) for (out, _, _), c in zip(built, caches)]
     if fold:
         total = done[0][0]
     else:  # bf16: summed in fp32, stored like the first

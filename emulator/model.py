@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from emulator.block import RECOMPUTE, block_backward, block_forward
+from emulator.block import RECOMPUTE, block_backward, block_forward, fused
 from emulator.config import (  # re-exported: emulator.model is the public face
     ModelConfig,
     block_param_shapes,
@@ -88,8 +88,9 @@ def embed_backward(dx, cache):
 def head_forward(params, x, targets, cfg: ModelConfig, *, denom=None):
     """Final LN, logits = xf @ head.w (B, S, V), CE summed then divided by ``denom``
     (default B*S, the mean) -> (ce, cache)."""
-    xf, ln = layernorm_forward(x, params["final_ln.gain"], params["final_ln.bias"], cfg.ln_eps)
-    logits, lin = linear_forward(xf, params["head.w"])  # no bias
+    with fused(x):  # one hand-off for the LN and the logits' GEMM on the same rows
+        xf, ln = layernorm_forward(x, params["final_ln.gain"], params["final_ln.bias"], cfg.ln_eps)
+        logits, lin = linear_forward(xf, params["head.w"])  # no bias
     total, count, ce = cross_entropy_sum_forward(logits, targets)
     denom = count if denom is None else denom
     return total / denom, {"ln": ln, "lin": lin, "ce": ce, "denom": denom}
@@ -97,9 +98,10 @@ def head_forward(params, x, targets, cfg: ModelConfig, *, denom=None):
 
 def head_backward(dce, cache):
     """-> (dx (B, S, H), grads of final_ln.gain, final_ln.bias, head.w)."""
-    dlogits = cross_entropy_sum_backward(dce / cache["denom"], cache["ce"])
-    dxf, dw, _ = linear_backward(dlogits, cache["lin"])
-    dx, dgain, dbias = layernorm_backward(dxf, cache["ln"])
+    with fused(cache["ce"][0]):  # the row chain in one hand-off, dw and the LN sums in another
+        dlogits = cross_entropy_sum_backward(dce / cache["denom"], cache["ce"])
+        dxf, dw, _ = linear_backward(dlogits, cache["lin"])
+        dx, dgain, dbias = layernorm_backward(dxf, cache["ln"])
     return dx, {"final_ln.gain": dgain, "final_ln.bias": dbias, "head.w": dw}
 
 

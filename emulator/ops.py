@@ -18,7 +18,7 @@ import numpy as np
 
 from emulator import heap
 from emulator.attention import _heads, _merge, attention_backward, attention_forward  # noqa: F401
-from emulator.halves import COLUMNS, ROWS, by_columns, in_halves, together
+from emulator.halves import COLUMNS, ROWS, by_columns, in_halves, together, together_then
 from emulator.linear import (  # noqa: F401 - re-exported: ops is the layers' public face
     GEMM_HALF_MIN,
     _backward_done,
@@ -104,13 +104,12 @@ def layernorm_backward(dy, cache, residual=None):
     tmp, tmp2 = np.empty_like(d), np.empty_like(d)  # the sums' d xhat; dx's dxhat xhat, proj
     dgain, dbias = np.empty(H, d.dtype), np.empty(H, d.dtype)
     rows = [a.reshape(-1, H) for a in (d, xhat, tmp)]  # (N, H); tmp's is a view
-    jobs = [(COLUMNS, _layernorm_sums, (*rows, dgain, dbias)),
-            (ROWS, functools.partial(_layernorm_dx, gain=up(gain)), (d, xhat, rstd, tmp2, dx))]  # fmt: skip
+    jobs = [(ROWS, functools.partial(_layernorm_dx, gain=up(gain)), (d, xhat, rstd, tmp2, dx))]
     fused = residual is not None and dx.dtype == dy.dtype and residual.shape == dx.shape
     fused = fused and residual.dtype == dx.dtype == arith_dtype(dx.dtype)
     if fused:
         jobs.append((ROWS, _iadd, (dx, residual)))
-    together(*jobs)
+    together_then(jobs, [(COLUMNS, _layernorm_sums, (*rows, dgain, dbias))])  # sums: every row
     out = down(dx, dy.dtype)
     if residual is not None and not fused:
         out = add_into(residual, out)
@@ -202,14 +201,14 @@ def linear_gelu_forward(x, w, b):
 def linear_gelu_backward(dy, cache, z):
     """gelu_backward(linear_backward(dy, cache)[0], z), the linear's (dw, db): GELU's rows in
     the dx GEMM's hand-off when dx is not cast -> (dz, dw, db)."""
-    (dx, dw, db), jobs = _backward_jobs(dy, cache)
+    (dx, dw, db), jobs, later = _backward_jobs(dy, cache)
     if cache[0].dtype != dx.dtype:
-        together(*jobs)
+        together_then(jobs, later)
         dh, dw, db = _backward_done(cache, dx, dw, db)
         return gelu_backward(dh, z), dw, db
     c = up(z).reshape(dx.shape)
     t, c2, d = (np.empty_like(c) for _ in range(3))
-    together(*jobs, (ROWS, _gelu_backward_into, (c, dx, t, c2, d)))
+    together_then([*jobs, (ROWS, _gelu_backward_into, (c, dx, t, c2, d))], later)
     _, dw, db = _backward_done(cache, dx, dw, db)
     return down(d.reshape(z.shape), z.dtype), dw, db
 

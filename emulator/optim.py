@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from emulator.guards import check_hyper
-from emulator.halves import in_halves
+from emulator.halves import ROWS, in_halves, independent
 from emulator.precision import down, up
 
 
@@ -25,19 +25,27 @@ def adamw_update(p, g, m, v, step, *, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weig
     """
     if step < 1:
         raise ValueError(f"adamw_update: step counts from 1, got {step}")
+    fn = _adamw_fn(step, lr, betas, eps, weight_decay)
+    in_halves(fn, p, g.astype(p.dtype, copy=False), m, v)  # two threads for large arrays
+
+
+def _adamw_fn(step, lr, betas, eps, weight_decay):
+    """-> fn(p, g, m, v): one adamw_update, elementwise (a halves ROWS job's function)."""
     b1, b2 = betas
-    g = g.astype(p.dtype, copy=False)
-    if weight_decay != 0.0:
-        p *= 1.0 - lr * weight_decay  # decoupled weight decay (Loshchilov & Hutter 2019)
     step_size, bc2 = lr / (1.0 - b1**step), math.sqrt(1.0 - b2**step)
-    fn = functools.partial(_moments_and_step, b1=b1, b2=b2, bc2=bc2, eps=eps, step_size=step_size)
-    in_halves(fn, p, g, m, v, np.empty_like(p))  # two threads for large arrays
+    decay = 1.0 - lr * weight_decay if weight_decay != 0.0 else None
+    return functools.partial(_moments_and_step, b1=b1, b2=b2, bc2=bc2, eps=eps,
+                             step_size=step_size, decay=decay)  # fmt: skip
 
 
-def _moments_and_step(p, g, m, v, t, *, b1, b2, bc2, eps, step_size):
-    """m += (1 - b1) g; v += (1 - b2) g^2; p -= step_size (m / (sqrt(v) / bc2 + eps)): these
-    operations in this order, in one scratch buffer t instead of eight temporaries (a product
-    with a scalar commutes bitwise)."""
+def _moments_and_step(p, g, m, v, *, b1, b2, bc2, eps, step_size, decay):
+    """p *= decay (decoupled weight decay, Loshchilov & Hutter 2019; None: none); m += (1 - b1)
+    g; v += (1 - b2) g^2; p -= step_size (m / (sqrt(v) / bc2 + eps)): these operations in this
+    order, in one scratch buffer t instead of eight temporaries (a product with a scalar
+    commutes bitwise)."""
+    if decay is not None:
+        p *= decay
+    t = np.empty_like(p)
     np.multiply(g, 1.0 - b1, out=t)
     m *= b1
     m += t
@@ -70,8 +78,10 @@ class AdamW:
                 f"AdamW.step: grads names differ: {sorted(set(grads) ^ set(self.m))[:5]}"
             )
         self.step_count += 1
-        for n, p in params.items():
-            adamw_update(p, grads[n], self.m[n], self.v[n], self.step_count, **self.hyper)
+        fn = _adamw_fn(self.step_count, **self.hyper)
+        jobs = [(ROWS, fn, (p, grads[n].astype(p.dtype, copy=False), self.m[n], self.v[n]))
+                for n, p in params.items()]  # fmt: skip
+        independent(*jobs)  # every parameter's update in one hand-off (emulator/halves.py)
 
     def state_dict(self) -> dict:
         return {"step": self.step_count, "m": self.m, "v": self.v, **self.hyper}

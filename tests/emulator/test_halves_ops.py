@@ -218,9 +218,10 @@ def test_one_blas_thread_restores_the_pool():
 
 @pytest.mark.parametrize("dtype", ["float32", "mixed"])
 def test_block_forward_in_three_handoffs(handoffs, monkeypatch, dtype):
-    """At sizes whose GEMMs split, a dense block's forward is three hand-offs (LN1 + q/k/v;
-    attention; projection + LN2 + MLP: halves.deferred) when nothing is cast, one per layer when
-    bf16 casts sit between them; the step is bitwise the one-call definition either way."""
+    """At sizes whose GEMMs split and an odd batch, a dense block's forward is three hand-offs
+    (LN1 + q/k/v; attention; projection + LN2 + MLP: halves.deferred) when nothing is cast
+    (B even: one, tests/emulator/test_halves_fused.py), one per layer when bf16 casts sit
+    between them; the step is bitwise the one-call definition either way."""
     cfg = ModelConfig(
         vocab_size=32, max_seq_len=128, d_model=256, n_heads=2, n_layers=1, dtype=dtype
     )
