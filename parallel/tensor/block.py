@@ -37,7 +37,7 @@ from emulator.ops import (
     linears_backward,
     linears_forward,
 )
-from emulator.precision import add, down, up
+from emulator.precision import add, arith_dtype, down, up
 from parallel.tensor.moe import tp_moe_backward, tp_moe_forward
 from parallel.tensor.sequence import check_sequence, gather_seq, reduce_scatter_seq, scatter_seq
 from parallel.tensor.shard import REPLICATE, Placement, validate
@@ -137,7 +137,7 @@ def tp_block_forward(tp, bp, x, cfg, *, sp=False, regather=True, keep_probs=True
     attention = (attention_forward, attention_backward) if attention is None else attention
     o, c["attn"] = attention[0](q, k, v, cfg.n_heads // tp.size, keep_probs=keep_probs)
     y, c["o"] = linear_forward(o, bp["attn.wo"])  # (B, S, H) partial: bo comes after g
-    x = add(x, add(leave(tp, y, sp), bp["attn.bo"]))  # g
+    x = _residual(x, leave(tp, y, sp), bp["attn.bo"])  # g, then bo once
     m, c["ln2"] = layernorm_forward(x, bp["ln2.gain"], bp["ln2.bias"], cfg.ln_eps)
     m_full = enter(tp, m, sp)  # f
     c["moe_fn"] = moe
@@ -148,11 +148,11 @@ def tp_block_forward(tp, bp, x, cfg, *, sp=False, regather=True, keep_probs=True
         x = add(x, scatter_seq(y, tp.size, tp.rank) if sp else y)  # no communication
     elif cfg.is_moe:
         y, aux, c["moe"] = tp_moe_forward(tp, bp, m_full, cfg, groups)  # (B, S, H) partial
-        x = add(x, leave(tp, y, sp))  # g
+        x = _residual(x, leave(tp, y, sp))  # g
     else:
         h, (c["gelu"], c["w1"]) = linear_gelu_forward(m_full, bp["mlp.w1"], bp["mlp.b1"])  # F/R
         y, c["w2"] = linear_forward(h, bp["mlp.w2"])  # (B, S, H) partial
-        x = add(x, add(leave(tp, y, sp), bp["mlp.b2"]))  # g, then b2 once
+        x = _residual(x, leave(tp, y, sp), bp["mlp.b2"])  # g, then b2 once
         aux = 0.0
     if drop:  # keep the slices, forget the gathered copies the linear caches point at
         c["a"] = a  # (an MoE block keeps its routed token copies: no regather there)
@@ -164,6 +164,19 @@ def tp_block_forward(tp, bp, x, cfg, *, sp=False, regather=True, keep_probs=True
     if mem is not None:
         mem.alloc("activations", name, saved_nbytes(c, exclude=bp.values()))
     return x, c
+
+
+def _residual(x, t, b=None):
+    """add(x, add(t, b)): the residual add of a row-parallel layer's reduced output t (b its
+    bias, added once after the reduction), t the fresh array the collective returned, which
+    nothing else holds. Without a cast both adds go into t's buffer (t += b; t += x: IEEE
+    addition commutes, so t + x is x + t bitwise), saving two (B, S_l, H) arrays per call."""
+    same = t.dtype == x.dtype == arith_dtype(t.dtype) and t.shape == x.shape
+    if not (same and t.flags.writeable and (b is None or b.dtype == t.dtype)):
+        return add(x, t if b is None else add(t, b))
+    if b is not None:
+        np.add(t, b, out=t)
+    return np.add(t, x, out=t)
 
 
 def _linear_input(tp, c, key, local):
