@@ -50,21 +50,43 @@ def cp_attention_forward(cp_comm, q, k, v, n_heads, *, positions, method="ring",
         )
     if q.shape[-1] % n_heads:
         raise ValueError(f"attention: H_local={q.shape[-1]} not divisible by n_heads={n_heads}")
-    pos = check_table(positions, cp_comm.size, q.shape[1])
+    pos, digest = _table(positions, cp_comm.size, q.shape[1])
     fwd, _ = _IMPL[method]
-    extra = f"forward, heads={n_heads}, keep_probs={keep_probs}, {_digest(pos)}"
+    extra = f"forward, heads={n_heads}, keep_probs={keep_probs}, {digest}"
     with scope("cp-attn/fwd"), cp_comm.collective("cp_attention", method, q, extra=extra):
         o, inner = fwd(cp_comm, q, k, v, n_heads, pos, keep_probs=keep_probs)
-    return o, {"method": method, "inner": inner, "positions": pos, "comm": cp_comm}
+    return o, {"method": method, "inner": inner, "positions": pos, "comm": cp_comm,
+               "digest": digest}  # fmt: skip
 
 
 def cp_attention_backward(do, cache):
     """-> (dq, dk, dv), each (B, S_local, H_local), this rank's tokens."""
     method, comm = cache["method"], cache["comm"]
     _, bwd = _IMPL[method]
-    extra = f"backward, {_digest(cache['positions'])}"
+    extra = f"backward, {cache['digest']}"
     with scope("cp-attn/bwd"), comm.collective("cp_attention", method, do, extra=extra):
         return bwd(do, cache["inner"])
+
+
+_TABLES: dict = {}  # (C, S_local, shape, dtype, bytes) -> the digest of a table that passed
+_MAX_TABLES = 64
+
+
+def _table(positions, C: int, s_local: int) -> tuple:
+    """(check_table(positions, C, s_local), its _digest): every layer of every step passes the
+    same table, so a table that passed once is looked up by its bytes, not sorted and hashed
+    again (a table that fails is never kept: it raises the same error each time)."""
+    pos = np.asarray(positions)
+    key = (C, s_local, pos.shape, pos.dtype.str, pos.tobytes())
+    digest = _TABLES.get(key)
+    if digest is not None:
+        return pos.astype(np.int64, copy=False), digest
+    pos = check_table(pos, C, s_local)
+    digest = _digest(pos)
+    if len(_TABLES) >= _MAX_TABLES:
+        _TABLES.clear()
+    _TABLES[key] = digest
+    return pos, digest
 
 
 def _digest(pos) -> str:

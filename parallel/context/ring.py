@@ -89,6 +89,24 @@ def plan(pos, r: int) -> _Plan:
     return got
 
 
+def _row_max(s):
+    """s.max(axis=-1), by one np.maximum per key column while the rows are short (a ring
+    block's 4-16 keys; NumPy's reduction over a short last axis costs ~3x that). A maximum is
+    exact whatever the order, NaN propagates either way, and the sign a zero maximum could
+    take does not reach any result (the maxima are only subtracted from scores and
+    exponentiated, or added to log l)."""
+    n = s.shape[-1]
+    if n > _SHORT_ROW or n < 2:
+        return s.max(axis=-1)
+    m = np.maximum(s[..., 0], s[..., 1])
+    for j in range(2, n):
+        np.maximum(m, s[..., j], out=m)
+    return m
+
+
+_SHORT_ROW = 16  # keys per row up to which _row_max takes column maxima
+
+
 def _pass_on(comm, arrays):
     """Send each array to rank r + 1 and receive the same shapes from r - 1."""
     C, r = comm.size, comm.rank
@@ -119,7 +137,7 @@ def ring_forward(comm, q, k, v, A, pos, *, keep_probs=True):
             # online-softmax merge (Liu et al. 2023, section 3, after Milakov & Gimelshein 2018;
             # the zigzag blocks: Brandon et al. 2023): rescale the old partial sums and the
             # block's to the new running max before adding them; lse = m + log l at the end
-            m_blk = s.max(axis=-1)  # (B, A, rows) finite: every computed row sees a key
+            m_blk = _row_max(s)  # (B, A, rows) finite: every computed row sees a key
             e = np.subtract(s, m_blk[..., None])
             np.exp(e, out=e)
             pv = e @ heads(vb, A)[:, :, cs]  # (B, A, rows, D)

@@ -19,6 +19,8 @@ The block reuses emulator/ops.py unchanged; only the calls to f, g (enter, leave
 
 from __future__ import annotations
 
+import numpy as np
+
 from collectives.api import all_reduce
 from emulator import scope
 from emulator.config import param_shapes
@@ -26,14 +28,16 @@ from emulator.memory import saved_nbytes
 from emulator.ops import (
     attention_backward,
     attention_forward,
-    gelu_backward,
-    gelu_forward,
     layernorm_backward,
     layernorm_forward,
     linear_backward,
     linear_forward,
+    linear_gelu_backward,
+    linear_gelu_forward,
+    linears_backward,
+    linears_forward,
 )
-from emulator.precision import add, down, up
+from emulator.precision import add, arith_dtype, down, up
 from parallel.tensor.moe import tp_moe_backward, tp_moe_forward
 from parallel.tensor.sequence import check_sequence, gather_seq, reduce_scatter_seq, scatter_seq
 from parallel.tensor.shard import REPLICATE, Placement, validate
@@ -127,14 +131,13 @@ def tp_block_forward(tp, bp, x, cfg, *, sp=False, regather=True, keep_probs=True
     """
     c, drop = {"sp": sp}, sp and regather
     a, c["ln1"] = layernorm_forward(x, bp["ln1.gain"], bp["ln1.bias"], cfg.ln_eps)
-    a_full = enter(tp, a, sp)  # f  (B, S, H)
-    q, c["q"] = linear_forward(a_full, bp["attn.wq"], bp["attn.bq"])  # (B, S, H/R) whole heads
-    k, c["k"] = linear_forward(a_full, bp["attn.wk"], bp["attn.bk"])
-    v, c["v"] = linear_forward(a_full, bp["attn.wv"], bp["attn.bv"])
+    a_full = _rows(enter(tp, a, sp))  # f  (B, S, H)
+    qkv = [(bp[f"attn.w{n}"], bp[f"attn.b{n}"]) for n in "qkv"]  # (B, S, H/R) each: whole heads
+    (q, c["q"]), (k, c["k"]), (v, c["v"]) = linears_forward(a_full, qkv)  # one input, three
     attention = (attention_forward, attention_backward) if attention is None else attention
     o, c["attn"] = attention[0](q, k, v, cfg.n_heads // tp.size, keep_probs=keep_probs)
     y, c["o"] = linear_forward(o, bp["attn.wo"])  # (B, S, H) partial: bo comes after g
-    x = add(x, add(leave(tp, y, sp), bp["attn.bo"]))  # g
+    x = _residual(x, leave(tp, y, sp), bp["attn.bo"])  # g, then bo once
     m, c["ln2"] = layernorm_forward(x, bp["ln2.gain"], bp["ln2.bias"], cfg.ln_eps)
     m_full = enter(tp, m, sp)  # f
     c["moe_fn"] = moe
@@ -145,12 +148,11 @@ def tp_block_forward(tp, bp, x, cfg, *, sp=False, regather=True, keep_probs=True
         x = add(x, scatter_seq(y, tp.size, tp.rank) if sp else y)  # no communication
     elif cfg.is_moe:
         y, aux, c["moe"] = tp_moe_forward(tp, bp, m_full, cfg, groups)  # (B, S, H) partial
-        x = add(x, leave(tp, y, sp))  # g
+        x = _residual(x, leave(tp, y, sp))  # g
     else:
-        z, c["w1"] = linear_forward(m_full, bp["mlp.w1"], bp["mlp.b1"])  # (B, S, F/R)
-        h, c["gelu"] = gelu_forward(z)
+        h, (c["gelu"], c["w1"]) = linear_gelu_forward(m_full, bp["mlp.w1"], bp["mlp.b1"])  # F/R
         y, c["w2"] = linear_forward(h, bp["mlp.w2"])  # (B, S, H) partial
-        x = add(x, add(leave(tp, y, sp), bp["mlp.b2"]))  # g, then b2 once
+        x = _residual(x, leave(tp, y, sp), bp["mlp.b2"])  # g, then b2 once
         aux = 0.0
     if drop:  # keep the slices, forget the gathered copies the linear caches point at
         c["a"] = a  # (an MoE block keeps its routed token copies: no regather there)
@@ -164,6 +166,19 @@ def tp_block_forward(tp, bp, x, cfg, *, sp=False, regather=True, keep_probs=True
     return x, c
 
 
+def _residual(x, t, b=None):
+    """add(x, add(t, b)): the residual add of a row-parallel layer's reduced output t (b its
+    bias, added once after the reduction), t the fresh array the collective returned, which
+    nothing else holds. Without a cast both adds go into t's buffer (t += b; t += x: IEEE
+    addition commutes, so t + x is x + t bitwise), saving two (B, S_l, H) arrays per call."""
+    same = t.dtype == x.dtype == arith_dtype(t.dtype) and t.shape == x.shape
+    if not (same and t.flags.writeable and (b is None or b.dtype == t.dtype)):
+        return add(x, t if b is None else add(t, b))
+    if b is not None:
+        np.add(t, b, out=t)
+    return np.add(t, x, out=t)
+
+
 def _linear_input(tp, c, key, local):
     """The input of the column-parallel linear cached under ``key``, (B, S, H). Under regather
     the forward kept only the S/R slice ``c[local]``: all-gather it again (Korthikanti et al. 2022,
@@ -171,7 +186,14 @@ def _linear_input(tp, c, key, local):
     if not c["regather"]:
         return c[key][0]
     with scope("regather"):
-        return enter(tp, c[local], True)
+        return _rows(enter(tp, c[local], True))
+
+
+def _rows(x):
+    """A gathered (B, S, H) input (under SP a view of the (S, B, H) buffer) in (B, S, H) order
+    in memory: one copy for all of its linear layers, each of which would otherwise copy it
+    to flatten it to (B S, H) rows. The same values in the same layout: the same bits."""
+    return np.ascontiguousarray(x)
 
 
 def tp_block_backward(tp, dx, c, daux=None):
@@ -191,23 +213,21 @@ def tp_block_backward(tp, dx, c, daux=None):
         dm = add(enter_backward(tp, dm_exp, sp), dm_router)  # f^T on the experts' share only
     else:
         g["mlp.b2"] = bias_grad(dx, bp["mlp.b2"].dtype)  # on S_l positions: partial under SP
-        dh, g["mlp.w2"], _ = linear_backward(leave_backward(tp, dx, sp), c["w2"])  # g^T
-        dz = gelu_backward(dh, c["gelu"])
+        dz, g["mlp.w2"], _ = linear_gelu_backward(leave_backward(tp, dx, sp), c["w2"], c["gelu"])
         m_full = _linear_input(tp, c, "w1", "m")  # (B, S, H)
         dm, g["mlp.w1"], g["mlp.b1"] = linear_backward(dz, (m_full, *c["w1"][1:]))
         dm = enter_backward(tp, dm, sp)  # f^T: sum the ranks' contributions
-    dln2, g["ln2.gain"], g["ln2.bias"] = layernorm_backward(dm, c["ln2"])
-    dx = add(dx, dln2)
+    dx, g["ln2.gain"], g["ln2.bias"] = layernorm_backward(dm, c["ln2"], residual=dx)  # dx + dln2
     g["attn.bo"] = bias_grad(dx, bp["attn.bo"].dtype)
     do, g["attn.wo"], _ = linear_backward(leave_backward(tp, dx, sp), c["o"])  # g^T
     dq, dk, dv = c["attention"][1](do, c["attn"])
     a_full = _linear_input(tp, c, "q", "a")  # (B, S, H): q, k, v share one input
-    da_q, g["attn.wq"], g["attn.bq"] = linear_backward(dq, (a_full, *c["q"][1:]))
-    da_k, g["attn.wk"], g["attn.bk"] = linear_backward(dk, (a_full, *c["k"][1:]))
-    da_v, g["attn.wv"], g["attn.bv"] = linear_backward(dv, (a_full, *c["v"][1:]))
-    da = enter_backward(tp, down(up(da_q) + up(da_k) + up(da_v), dx.dtype), sp)  # f^T
-    dln1, g["ln1.gain"], g["ln1.bias"] = layernorm_backward(da, c["ln1"])
-    dx = add(dx, dln1)
+    caches = [(a_full, *c[n][1:]) for n in "qkv"]
+    da, dqkv = linears_backward((dq, dk, dv), caches)  # (da_q + da_k) + da_v
+    for n, (dw, db) in zip("qkv", dqkv, strict=True):
+        g[f"attn.w{n}"], g[f"attn.b{n}"] = dw, db
+    da = enter_backward(tp, da, sp)  # f^T
+    dx, g["ln1.gain"], g["ln1.bias"] = layernorm_backward(da, c["ln1"], residual=dx)  # dx + dln1
     if c["mem"] is not None:
         c["mem"].free("activations", c["name"])
     return dx, {n: g[n] for n in bp}

@@ -170,3 +170,22 @@ def test_ranks_that_disagree_raise_instead_of_hanging():
         emulator.spawn(lambda comm: fn(comm, ["ring", "all-gather"], [z, z]), 2, timeout=30)
     with pytest.raises(CollectiveMismatch):
         emulator.spawn(lambda comm: fn(comm, ["ring", "ring"], [z, c]), 2, timeout=30)
+
+
+def test_a_table_that_passed_is_still_checked_against_the_group():
+    """The checked tables are cached by their bytes (attention._table): a table that passed on a
+    2-rank group is refused on a 4-rank one, and one refused stays refused."""
+    tab = layout.table(8, 2, "contiguous")  # (2, 4): fits cp=2 with S_local=4
+
+    def fn(comm, S_local):
+        x = np.zeros((1, S_local, 4))
+        cp_attention_forward(comm, x, x, x, 2, positions=tab)
+
+    emulator.spawn(lambda c: fn(c, 4), 2, timeout=30)  # passes, and is cached
+    with pytest.raises(ValueError, match=r"\(4, 2\) integer table"):
+        emulator.spawn(lambda c: fn(c, 2), 4, timeout=30)
+    bad = np.zeros((2, 4), int)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="not a permutation"):
+            emulator.spawn(lambda c: cp_attention_forward(c, *[np.zeros((1, 4, 4))] * 3, 2,
+                                                          positions=bad), 2, timeout=30)  # fmt: skip
