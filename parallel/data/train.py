@@ -95,7 +95,7 @@ def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microba
             opt = BucketAdamW(layouts, params, **hyper)
             params = opt.params
             engine = DDP(comm, params, bucket_cap_mb=bucket_cap_mb, dtype=cfg.dtype, mem=mem,
-                         layouts=layouts, flats=opt.flats)
+                         layouts=layouts, flats=opt.flats)  # fmt: skip
             statics.append(("params", "master", sum(p.nbytes for p in params.values())))
             if cfg.dtype == "mixed":  # the bf16 compute copy: Psi c
                 c = compute_dtype(cfg.dtype).itemsize
