@@ -109,20 +109,19 @@ class DDP:
 
     def finish(self) -> dict:
         """{name: summed gradient} as views into the bucket buffers (bucket order)."""
+        out = {}
+        for lay, flat in zip(self.layouts, self.flats()):
+            out.update(lay.views(flat))
+        return out
+
+    def flats(self) -> list:
+        """The summed bucket buffers in bucket order (what finish() returns views into)."""
         late = [b.index for b in self.layouts if b.index not in self.reduced]
         if late:
             raise RuntimeError(
                 f"DDP.finish: bucket(s) {late} were never all-reduced; run the last micro-batch "
                 f"of the step outside no_sync() and call grad_ready for every parameter"
             )
-        out = {}
-        for lay in self.layouts:
-            out.update(lay.views(self.reduced[lay.index]))
-        return out
-
-    def flats(self) -> list:
-        """The summed bucket buffers in bucket order (what finish() returns views into)."""
-        self.finish()  # the same check: every bucket all-reduced
         return [self.reduced[lay.index] for lay in self.layouts]
 
     def zero_grad(self) -> None:
