@@ -43,7 +43,7 @@ CATEGORIES = [  # (name, predicate on (file, function)); the first that matches 
     ("call check", lambda f, n: n in ("_check", "signature", "describe", "check_call",
                                       "mismatch_message")),
     ("message path (emulator/, collectives/)", lambda f, n: "/collectives/" in f
-     or f.endswith(("emulator/local.py", "emulator/comm.py", "emulator/mesh.py",
+     or f.endswith(("emulator/local.py", "emulator/world.py", "emulator/comm.py", "emulator/mesh.py",
                     "emulator/mailbox.py", "emulator/watchdog.py"))),
     ("optimizer + clip (optim.py, clip.py)", lambda f, n: f.endswith(("optim.py", "clip.py"))),
     ("parameter init (config.py)", lambda f, n: f.endswith("emulator/config.py")),

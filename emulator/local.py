@@ -7,12 +7,13 @@ another rank's memory. NumPy releases the GIL in large array operations, so big 
 at memory speed; small ones are dominated by Python overhead.
 
 Failure handling: the first exception on any rank aborts the world - one world-level failure
-slot, then every rank blocked in a receive or about to communicate raises `RankAborted` - and
-`spawn` re-raises the original exception, annotated with its rank. A receive that waits longer
-than `timeout` seconds raises `CommTimeout` with every rank's flight recorder. A message left
-unreceived at the end of a collective or of the run raises `UnreceivedMessage`. `spawn` itself
-never waits without a deadline (`emulator.watchdog`): ranks stuck in user code are reported,
-and Ctrl-C stops the run.
+slot (emulator/world.py, the world's shared state), then every rank blocked in a receive or
+about to communicate raises `RankAborted` - and `spawn` re-raises the original exception,
+annotated with its rank. A receive that waits longer than `timeout` seconds raises
+`CommTimeout` with every rank's flight recorder. A message left unreceived at the end of a
+collective or of the run raises `UnreceivedMessage`. `spawn` itself never waits without a
+deadline (`emulator.watchdog`): ranks stuck in user code are reported, and Ctrl-C stops the
+run.
 
 Locking (deadlock-free by construction): each rank's mailbox has one lock, taken only by the
 owner and by senders to it, never while holding another lock. The world lock guards the
@@ -35,94 +36,15 @@ from .comm import (
     Comm,
     CommError,
     RankAborted,
-    RankState,
     UnreceivedMessage,
     _bind_state,
     _expected,
     mismatch_message,
 )
-from .ledger import Ledger
-from .mailbox import Mailbox, leftover_report
+from .mailbox import leftover_report
+from .world import VirtualWorld
 
 DEFAULT_TIMEOUT = 60.0
-
-
-class VirtualWorld:
-    def __init__(self, world_size: int, timeout: float, check: bool):
-        self.size = world_size
-        self.timeout = float(timeout)
-        self.check = check
-        self.states = [RankState(rank=r, ledger=Ledger(r)) for r in range(world_size)]
-        self.boxes = [Mailbox(self, r) for r in range(world_size)]
-        self.gids: dict = {("world",): 0}  # group key -> small int id (the mailboxes' keys)
-        self.names: dict = {0: "world"}  # group id -> group name (for reports)
-        self.lock = threading.Lock()
-        self.calls: dict = {}  # (group key, seq) -> [first global rank, its Call, arrivals]
-        self.objects: dict = {}  # control plane: (key, n) -> {group rank: obj}
-        self.failure: BaseException | None = None
-        self.failed_rank: int | None = None
-        self.done = threading.Condition(threading.Lock())  # the spawner waits on it
-        self.started_at: float | None = None  # when every thread ran (no deadline ends before)
-        self.running = world_size
-        self.exited = [False] * world_size  # the rank's thread has left the user's program
-
-    # -- failure ----------------------------------------------------------------------------
-    def abort(self, rank: int, exc: BaseException) -> bool:
-        """Record the first failure and wake every waiter; True if this was the first."""
-        with self.lock:
-            if self.failure is not None:
-                return False
-            self.failure, self.failed_rank = exc, rank
-        for box in self.boxes:  # one lock at a time, none held: no lock-order cycle
-            box.wake()
-        with self.done:
-            self.done.notify_all()
-        return True
-
-    def fail(self, rank: int, make) -> None:
-        """Raise the world's failure; if there is none yet, make it (`make()`) and raise it.
-
-        Only the first failing rank builds its report (a flight recorder of every rank), so
-        1,024 ranks timing out together build one report, not 1,024.
-        """
-        with self.lock:
-            first = self.failure is None
-            if first:
-                self.failure, self.failed_rank = make(), rank
-        if first:
-            for box in self.boxes:
-                box.wake()
-            with self.done:
-                self.done.notify_all()
-            raise self.failure
-        self.raise_if_failed()
-
-    def gid(self, key, name: str) -> int:
-        """The small int id of group `key` (one per key, whichever member asks first)."""
-        with self.lock:
-            g = self.gids.get(key)
-            if g is None:
-                g = self.gids[key] = len(self.gids)
-                self.names[g] = name
-            return g
-
-    def raise_if_failed(self) -> None:
-        exc = self.failure
-        if exc is not None:
-            if isinstance(exc, CommError):
-                raise type(exc)(str(exc))  # every rank sees the same diagnosis
-            raise RankAborted(
-                f"stopped because rank {self.failed_rank} raised {type(exc).__name__}: {exc}"
-            )
-
-    def flight_recorder(self) -> str:
-        return "\n".join("  " + s.flight() for s in self.states)
-
-    def rank_done(self, rank: int) -> None:
-        with self.done:
-            self.running -= 1
-            self.exited[rank] = True
-            self.done.notify_all()
 
 
 class VirtualComm(Comm):

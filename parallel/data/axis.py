@@ -41,9 +41,11 @@ from emulator import affinity, scope
 from emulator.model import to_compute
 from emulator.optim import AdamW
 from emulator.precision import compute_dtype
-from parallel.clip import clip_and_step, global_grad_norm
+from parallel.clip import clip_and_step, global_grad_norm, scale_
 from parallel.data.common import backward_order
 from parallel.data.ddp import DDP
+from parallel.data.flat import make_buckets
+from parallel.data.replica import BucketAdamW
 from parallel.data.zero import ZeroOptimizer
 from parallel.pipeline.executor import Accumulate
 
@@ -101,9 +103,22 @@ class DataAxis(Accumulate):
         self.order: list = []
         self.last_grads: dict = {}  # no step yet: no gradient
         n, c = sum(p.size for p in master.values()), compute_dtype(cfg.dtype).itemsize
-        for part in self.parts:
+        buckets = None  # zero 0, every part over a group > 1: [layouts per part], for AdamW
+        if zero == 0 and all(part.group.size > 1 for part in self.parts):
+            buckets = [make_buckets({k: master[k].shape for k in part.names}, part.group.size,
+                                    bucket_cap_mb, c) for part in self.parts]  # fmt: skip
+            # the master in the buckets' flat layout, AdamW per bucket (parallel/data/replica.py)
+            self.opt = BucketAdamW([lay for b in buckets for lay in b], master, **hyper)
+            self.master = master = self.opt.params
+        at = 0  # the part's first buffer in self.opt.flats
+        for i, part in enumerate(self.parts):
             mine = {k: master[k] for k in part.names}
             lab = f"{part.label}." if part.label else ""
+            if buckets is not None:
+                lays, at = buckets[i], at + len(buckets[i])
+                self.ddps.append(DDP(part.group, mine, label=lab, mem=mem, dtype=cfg.dtype,
+                                     layouts=lays, flats=self.opt.flats[at - len(lays) : at]))  # fmt: skip
+                continue
             if zero == 0:  # a group of one: no DDP, its local gradient buffer
                 one = part.group.size == 1
                 self.ddps.append(None if one else DDP(part.group, mine, label=lab, mem=mem,
@@ -120,7 +135,7 @@ class DataAxis(Accumulate):
             self.units.append({layer_of(lay.names[0]): lay.index
                                for lay in self.engines[-1].layouts})  # fmt: skip
         if zero == 0:
-            self.opt = AdamW(master, **hyper)
+            self.opt = self.opt or AdamW(master, **hyper)
             self.statics += [("params", "master", sum(p.nbytes for p in master.values())),
                              ("optimizer", "adamw", self.opt.nbytes())]  # fmt: skip
             if cfg.dtype == "mixed":  # the compute copy: Psi c
@@ -153,19 +168,30 @@ class DataAxis(Accumulate):
                     engine.apply(coef)
             return norm
         grads = {n: self.grads[n] for n in self.master}  # parameter order
+        flats, bucketed = [], isinstance(self.opt, BucketAdamW)  # the DDPs' summed buckets
         for part, ddp in zip(self.parts, self.ddps):
             if ddp is None:
                 continue
             with part.scope():
                 for n in backward_order({k: grads[k] for k in part.names}, ddp.position):
                     ddp.grad_ready(n, grads[n], where="step")
-            grads |= {n: g.copy() for n, g in ddp.finish().items()}
+            summed = ddp.finish()  # views of the buckets zero_grad lets go of
+            grads |= summed if bucketed else {n: g.copy() for n, g in summed.items()}
+            flats += ddp.flats()
             ddp.zero_grad()
-        self.last_grads = grads
         # summed (replicated) over each part's group after DDP: the norm reduces over the
         # other axes only (weights count a replica once)
-        return clip_and_step(self.opt, self.master, grads, self.norm_groups, max_norm=self.max_norm,
-                             weights=self.weights, tag="dp/clip")  # fmt: skip
+        if not bucketed:
+            self.last_grads = grads
+            return clip_and_step(self.opt, self.master, grads, self.norm_groups,
+                                 max_norm=self.max_norm, weights=self.weights, tag="dp/clip")  # fmt: skip
+        norm, coef = global_grad_norm(grads, self.norm_groups, max_norm=self.max_norm,
+                                      weights=self.weights, tag="dp/clip")  # fmt: skip
+        # the unclipped gradients for the check: the buckets themselves, copied if clipped
+        self.last_grads = grads if coef >= 1.0 else {n: g.copy() for n, g in grads.items()}
+        scale_(flats, coef)  # elementwise: each tensor's bits; the padding stays zero
+        self.opt.step(flats)
+        return norm
 
     # ---- the executor's hooks --------------------------------------------------------------
     def start(self, kind: str, mb: int, layers: list) -> None:

@@ -47,15 +47,22 @@ class DDP:
     """Bucketed gradient synchronisation over `dp_comm` for a rank-local dict of parameters."""
 
     def __init__(self, dp_comm, local_params: dict, *, bucket_cap_mb=25.0, dtype="float64",
-                 mem=None, broadcast_init=True, label=""):  # fmt: skip
-        """``label``: prefix of the buckets' memory-ledger names (two DDPs on a rank: "edp.")."""
+                 mem=None, broadcast_init=True, label="", layouts=None, flats=None):  # fmt: skip
+        """``label``: prefix of the buckets' memory-ledger names (two DDPs on a rank: "edp.").
+        ``layouts``: the buckets, when the caller made them already (make_buckets with the
+        same arguments); ``flats``: local_params laid out in them (parallel/data/replica.py),
+        so the initial broadcast moves their real elements instead of a concatenation."""
         self.comm, self.mem, self.label = dp_comm, mem, label
-        if broadcast_init:
-            broadcast_params(dp_comm, local_params)
         self.dtype = compute_dtype(dtype)  # gradients (and the wire) in the compute dtype
         shapes = {n: tuple(p.shape) for n, p in local_params.items()}
         self.position = {n: i for i, n in enumerate(shapes)}  # parameter order
-        self.layouts = make_buckets(shapes, dp_comm.size, bucket_cap_mb, self.dtype.itemsize)
+        if layouts is None:
+            layouts = make_buckets(shapes, dp_comm.size, bucket_cap_mb, self.dtype.itemsize)
+        self.layouts = layouts
+        if broadcast_init and flats is not None:
+            broadcast_flats(dp_comm, [(f, lay.numel) for f, lay in zip(flats, layouts)])
+        elif broadcast_init:
+            broadcast_params(dp_comm, local_params)
         self.buckets = [Bucket(b.index, b.names, b.numel, b.padded) for b in self.layouts]
         self.acc = GradAccumulator(self.layouts, self.dtype)
         self.sync = True
@@ -102,20 +109,19 @@ class DDP:
 
     def finish(self) -> dict:
         """{name: summed gradient} as views into the bucket buffers (bucket order)."""
+        out = {}
+        for lay, flat in zip(self.layouts, self.flats()):
+            out.update(lay.views(flat))
+        return out
+
+    def flats(self) -> list:
+        """The summed bucket buffers in bucket order (what finish() returns views into)."""
         late = [b.index for b in self.layouts if b.index not in self.reduced]
         if late:
             raise RuntimeError(
                 f"DDP.finish: bucket(s) {late} were never all-reduced; run the last micro-batch "
                 f"of the step outside no_sync() and call grad_ready for every parameter"
             )
-        out = {}
-        for lay in self.layouts:
-            out.update(lay.views(self.reduced[lay.index]))
-        return out
-
-    def flats(self) -> list:
-        """The summed bucket buffers in bucket order (what finish() returns views into)."""
-        self.finish()  # the same check: every bucket all-reduced
         return [self.reduced[lay.index] for lay in self.layouts]
 
     def zero_grad(self) -> None:
@@ -135,3 +141,26 @@ def broadcast_params(comm, params: dict, tag: str = "ddp/init_broadcast") -> Non
     for p in params.values():
         p[...] = flat[start : start + p.size].reshape(p.shape)
         start += p.size
+
+
+def broadcast_flats(comm, flats: list, tag: str = "ddp/init_broadcast") -> None:
+    """broadcast_params for parameters laid out in flat buffers: [(buffer, numel)], the real
+    elements first (parallel/data/flat.py). The message is their real elements back to back:
+    the same Psi elements, dtype and tree as broadcast_params' concatenation (in bucket
+    order instead of parameter order, which no rank's result depends on), one copy per buffer
+    instead of one per tensor, and none on rank 0, whose buffers already hold the values."""
+    if comm.size == 1 or not flats:
+        return
+    if len(flats) == 1:
+        f, n = flats[0]
+        payload = f[:n]  # contiguous: the tree copies it on the root
+    else:
+        payload = np.concatenate([f[:n] for f, n in flats])  # (Psi,)
+    with scope(tag):
+        got = broadcast(comm, payload, root=0)
+    if comm.rank == 0:
+        return
+    start = 0
+    for f, n in flats:
+        f[:n] = got[start : start + n]
+        start += n

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 
 import numpy as np
@@ -71,7 +72,7 @@ class FlatLayout:
 def make_layout(index: int, shapes: dict, D: int) -> FlatLayout:
     names = tuple(shapes)
     sizes = [math.prod(shapes[n]) for n in names]
-    offsets = tuple(int(o) for o in np.cumsum([0, *sizes[:-1]])) if names else ()
+    offsets = tuple(int(o) for o in itertools.accumulate(sizes[:-1], initial=0)) if names else ()
     numel = int(sum(sizes))
     padded = -(-max(numel, 1) // D) * D  # ceil to a multiple of D (never empty)
     return FlatLayout(index, names, tuple(shapes[n] for n in names), offsets, numel, padded, D)

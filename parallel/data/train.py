@@ -17,7 +17,7 @@ from emulator.guards import check_finite, check_training
 from emulator.model import check_inputs, to_compute
 from emulator.precision import compute_dtype
 from emulator.shared_init import shared_init_params
-from parallel.clip import clip_
+from parallel.clip import global_grad_norm, scale_
 from parallel.data.common import loss_scales
 from parallel.data.ddp import DDP
 from parallel.data.flat import fsdp_units, make_buckets
@@ -94,7 +94,8 @@ def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microba
             )
             opt = BucketAdamW(layouts, params, **hyper)
             params = opt.params
-            engine = DDP(comm, params, bucket_cap_mb=bucket_cap_mb, dtype=cfg.dtype, mem=mem)
+            engine = DDP(comm, params, bucket_cap_mb=bucket_cap_mb, dtype=cfg.dtype, mem=mem,
+                         layouts=layouts, flats=opt.flats)  # fmt: skip
             statics.append(("params", "master", sum(p.nbytes for p in params.values())))
             if cfg.dtype == "mixed":  # the bf16 compute copy: Psi c
                 c = compute_dtype(cfg.dtype).itemsize
@@ -115,7 +116,7 @@ def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microba
                 _step(comm, cfg, engine, opt, params, run, step, batches, microbatches, groups_fn,
                       max_norm, reshard_after_forward, prefetch, recompute)  # fmt: skip
             if stage == "ddp":
-                run.params = {n: p.copy() for n, p in params.items()}
+                run.params = dict(params)  # the replica's buffers: nothing writes them now
                 run.opt_state = {"step": opt.step_count, "m": opt.m, "v": opt.v}
             else:
                 run.grads = engine.full_grads()
@@ -168,11 +169,14 @@ def _step(comm, cfg, engine, opt, params, run, step, batches, k, groups_fn, max_
         total += share  # the reference's order: micro-batch r k + j
     run.losses.append(total)
     if stage == "ddp":
-        grads = engine.finish()
-        run.grads = {n: g.copy() for n, g in grads.items()}
+        grads, flats = engine.finish(), engine.flats()  # {name: view of a flat}, the flats
         # DDP grads are already summed (replicated) over dp: no group to reduce over
-        run.grad_norms.append(clip_(grads, max_norm, (), tag="dp/clip")[0])
-        opt.step(engine.flats())  # the clipped grads: views of these buffers
+        norm, coef = global_grad_norm(grads, (), max_norm=max_norm, tag="dp/clip")
+        # zero_grad drops this step's buffers, so run.grads keeps them - copied if clipped
+        run.grads = grads if coef >= 1.0 else {n: g.copy() for n, g in grads.items()}
+        scale_(flats, coef)  # elementwise: per tensor's bits; the padding stays zero
+        run.grad_norms.append(norm)
+        opt.step(flats)
         engine.zero_grad()
     else:
         run.grad_norms.append(engine.step())

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from collectives import all_gather, reduce_scatter
-from emulator import scope
+from emulator import affinity, scope
 from emulator.guards import check_hyper
 from emulator.optim import adamw_update
 from emulator.precision import compute_dtype, down, master_dtype, up
@@ -234,11 +234,21 @@ class ZeroOptimizer:
 
     # -- full-shape views for checks (uncounted control plane) ---------------------------------
     def _unshard(self, shards: dict) -> dict:
+        """{name: full array}: every rank's shards joined. On virtual ranks (affinity.share)
+        group rank i joins the layouts i, i + R, ... and the flat buffers are exchanged as
+        objects, so the group joins each once instead of R times; the full arrays are then
+        shared by the group's ranks (as unshard_once's are). Each rank gets its own views."""
         every = self.comm.allgather_object(shards)
+        at, R = affinity.share(self.comm)
+        flats = {}
+        for lay in self.layouts[at::R]:
+            flats[lay.index] = np.concatenate([e[lay.index] for e in every])  # (padded,)
+        if R > 1:
+            got = self.comm.allgather_object(flats)
+            flats = {i: f for theirs in got for i, f in theirs.items()}
         out = {}
         for lay in self.layouts:
-            flat = np.concatenate([e[lay.index] for e in every])  # a new array of this rank's
-            out.update(lay.views(flat))  # views of it: no second copy
+            out.update(lay.views(flats[lay.index]))  # views of it: no second copy
         return out
 
     def master_params(self) -> dict:

@@ -43,6 +43,7 @@ import math
 import numpy as np
 
 from collectives import cost as ccost
+from emulator import affinity
 from emulator.mesh import Mesh
 from emulator.precision import compute_dtype
 from emulator.rank import current_state
@@ -96,11 +97,16 @@ def unshard_experts(ep, params: dict, grads: dict) -> tuple[dict, dict]:
     """The stage's params / grads with the experts concatenated back to E over the ep group, in
     ep-coordinate order (uncounted: the check, not the training)."""
     every = ep.allgather_object((params, grads))
-    experts = {n for n in params if is_expert(n)} | {n for n in grads if is_expert(n)}
+    # on virtual ranks ep rank i joins the items i, i + R, ... and the group shares them
+    # (affinity.share, as unshard_once): each tensor joined once, not R times
+    items = [(k, n) for k, d in enumerate((params, grads)) for n in d if is_expert(n)]
+    at, R = affinity.share(ep)
+    joined = {(k, n): np.concatenate([e[k][n] for e in every]) for k, n in items[at::R]}
+    if R > 1:
+        joined = {key: a for theirs in ep.allgather_object(joined) for key, a in theirs.items()}
 
     def whole(k, d):
-        return {n: np.concatenate([e[k][n] for e in every]) if n in experts else a
-                for n, a in d.items()}  # fmt: skip
+        return {n: joined.get((k, n), a) for n, a in d.items()}
 
     return whole(0, params), whole(1, grads)
 

@@ -10,9 +10,12 @@ runs one DDP or ZeroOptimizer per group (tags dp/grads*, edp/dp/grads*) and asks
 
 from __future__ import annotations
 
+import functools
+
 from parallel.expert.layer import EXPERT_NAMES
 
 
+@functools.cache  # asked ~570 times per rank and run (ep4 at the small size) of ~60 names
 def is_expert(name: str) -> bool:
     """blocks.<i>.moe.{w1, b1, w2, b2}: cut over ep (axis 0 = the expert); the router is not."""
     return ".moe." in name and name.rsplit(".", 1)[1] in EXPERT_NAMES

@@ -284,3 +284,29 @@ def test_data_axis_parts_must_cover_every_tensor_once():
 
     (problems,) = emulator.spawn(body, 1, timeout=30)
     assert len(problems) == 2 and all("exactly once" in p for p in problems), problems
+
+
+@pytest.mark.parametrize(("D", "cap", "stage"), [(3, 0.0001, 1), (4, 25.0, 2), (4, 25.0, 3)])
+def test_full_views_join_every_shard_on_every_rank(D, cap, stage):
+    """master_params / state_dict / full_grads on virtual ranks: each rank joins a share of
+    the layouts and the group exchanges them (ZeroOptimizer._unshard); every rank must still
+    see every tensor whole - more layouts than ranks (3 ranks, a bucket per tensor), one bucket
+    on 4 ranks, FSDP units on 4. Before any step the master is the initial parameters."""
+    from emulator.config import init_params
+    from parallel.data.flat import fsdp_units
+
+    cfg = tiny(n_layers=3)
+    params = init_params(cfg, 0)
+    shapes = {n: p.shape for n, p in params.items()}
+    units = [u.names for u in fsdp_units(shapes, D)] if stage == 3 else None
+
+    def body(comm):
+        opt = ZeroOptimizer(comm, params, stage, bucket_cap_mb=cap, units=units)
+        return opt.master_params(), opt.state_dict()["v"], len(opt.layouts)
+
+    for full, v, n_layouts in emulator.spawn(body, D, timeout=60):
+        assert set(full) == set(params) == set(v)
+        assert n_layouts > D if stage == 1 else n_layouts <= D or stage == 3
+        for n, p in params.items():
+            assert full[n].shape == p.shape and np.array_equal(full[n], p), n
+            assert v[n].shape == p.shape and not v[n].any(), n

@@ -101,3 +101,23 @@ def test_a_user_built_schedule_is_type_checked():
         validate(Schedule("mine", 1, 1, 1, False, [[Action("F", 0), ("B", 0)]]))
     with pytest.raises(ValueError, match="m \\(micro-batches\\) must be an int >= 1"):
         validate(Schedule("mine", 1, 0, 1, False, [[]]))
+
+
+def test_a_validated_schedule_lets_no_other_through():
+    """validate remembers the schedules that passed (every rank validates the same one); a
+    schedule differing in one action, the split or the name is validated afresh, and an
+    invalid one raises every time."""
+    good = _sched(2, "F0 F1 B0 B1", "F0 B0 F1 B1")
+    again = _sched(2, "F0 F1 B0 B1", "F0 B0 F1 B1")  # equal content, another object
+    assert validate(good) is good and validate(again) is again
+    swapped = _sched(2, "F0 B1 F1 B0", "F0 B0 F1 B1")  # the same header, B1 before F1
+    for _ in range(2):
+        with pytest.raises(ValueError, match="runs before"):
+            validate(swapped)
+    as_split = _sched(2, "F0 F1 B0 B1", "F0 B0 F1 B1")
+    as_split.split = True  # the same actions, but a split backward needs W actions
+    with pytest.raises(ValueError, match="never runs"):
+        validate(as_split)
+    tuples = Schedule("custom", 2, 2, 1, False, [list(good.stages[0]), [("F", 0), ("B", 0)]])
+    with pytest.raises(TypeError, match="is not an Action"):
+        validate(tuples)
