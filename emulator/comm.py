@@ -29,7 +29,7 @@ import functools
 
 import numpy as np
 
-from .ledger import Ledger, Record
+from .ledger import Ledger, Record, Unfrozen
 from .memory import MemoryLedger
 from .rank import (  # noqa: F401 - re-exported: the backends and users import them from here
     Call,
@@ -206,25 +206,27 @@ class Comm:
             ledger.step,
             "/".join(st.tags) if st.tags else "",
         )
-        # Records are frozen values: equal ones are shared (a ring's p-1 steps repeat one), which
-        # saves the dataclass constructor on most messages; the cache is small and per rank.
+        # Records are frozen values: equal ones are shared (a ring's p-1 steps repeat one); the
+        # cache is small and per rank. A new one (every call's first of its kind: it holds the
+        # call's number) is filled as an `Unfrozen` and becomes a Record (ledger.py).
         cache = st.record_cache
         rec = cache.get(key)
         if rec is None:  # built here, not in a helper: bench layouts --costs counts _record's
             (op, algo, seq), group, glob, _, _, step, tag = key
             if len(cache) >= 256:
                 cache.clear()
-            rec = cache[key] = Record(
-                op=op,
-                algorithm=algo,
-                group=group,
-                peer=glob,
-                direction=direction,
-                nbytes=int(nbytes),
-                step=step,
-                tag=tag,
-                seq=seq,
-            )
+            rec = _new(Unfrozen)  # = Record(op, algo, ...) without its 9 object.__setattr__
+            rec.op = op
+            rec.algorithm = algo
+            rec.group = group
+            rec.peer = glob
+            rec.direction = direction
+            rec.nbytes = int(nbytes)
+            rec.step = step
+            rec.tag = tag
+            rec.seq = seq
+            rec.__class__ = Record
+            cache[key] = rec
         ledger.records.append(rec)  # Ledger.add, without its Python call (every message)
 
     def _peer(self, peer: int, verb: str) -> None:
@@ -295,6 +297,7 @@ class Comm:
 # equal to a cached one normalises to an equal (shape, dtype), so a hit gives the same result.
 _SENDABLE: set = set()
 _EXPECTED: dict = {}
+_new = object.__new__
 P2P = ("p2p", "", -1)  # the ledger label (op, algorithm, seq) outside any collective
 
 
