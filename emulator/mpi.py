@@ -38,7 +38,7 @@ from .comm import (
 )
 from .ledger import Ledger
 from .mpi_call import OpenCall, label
-from .mpi_control import OBJECTS, MPIWorld, check_exchange, gather, poll, verify
+from .mpi_control import CTRL_TAG, OBJECTS, Exchange, MPIWorld, gather, poll, verify
 from .mpi_groups import make_group
 from .mpi_p2p import take_user, with_header
 
@@ -195,7 +195,7 @@ class MPIComm(Comm):
         t.sent_n[dst] += 1
         t.sent_b[dst] += array.nbytes
         self._record("send", dst, array.nbytes)
-        self._complete(rreq, src, out, send_req=sreq, dst=dst)
+        self._complete(rreq, src, out, sreq, dst)
         t.recv_n[src] += 1
         t.recv_b[src] += out.nbytes
         self._record("recv", src, out.nbytes)
@@ -233,7 +233,9 @@ class MPIComm(Comm):
             # may only progress the queues - as in _leftover)
             if not chk.progress() and not chk.progress():
                 chk.wait(f"to check collective {chk.label} against the other ranks")
-            self._verified()
+            self.checking = None  # _verified, inlined (every call)
+            if chk.same != len(chk.peers):
+                verify(self, chk.label, chk.got)
         lent = self.world.lent
         if lent:
             for req, _, peer in lent:
@@ -266,7 +268,10 @@ class MPIComm(Comm):
     # or wait (one that never comes) is reported as the mismatch it is (`_settle`, `_hang`).
     def _check(self, call: Call) -> None:
         if self.world.check and self.world_size > 1:
-            self.checking = self.world.unposted = check_exchange(self, label(call))
+            # Not yet posted (post=False): `_post_label` posts it after the call's first data
+            # send or before its first wait; the waits and the call's end receive the others'.
+            chk = Exchange(self, self.ctrl, self.others, label(call), b"", CTRL_TAG, False)
+            self.checking = self.world.unposted = chk
 
     def _post_label(self) -> None:
         # Posted lazily (the data plane's first send goes out first, the label right after;

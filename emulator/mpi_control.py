@@ -47,6 +47,15 @@ def _mpi():
     return MPI
 
 
+_BYTE = None  # MPI.BYTE, once looked up (_byte)
+
+
+def _byte():
+    global _BYTE
+    _BYTE = _mpi().BYTE
+    return _BYTE
+
+
 @functools.cache
 def _status():
     """One MPI.Status for every Exchange's probes: each is read right after its probe, and a
@@ -106,7 +115,8 @@ class Exchange:
             self.post()
 
     def post(self) -> None:
-        """Send our message to every peer (once: `check_exchange` leaves it to the caller)."""
+        """Send our message to every peer (once: a collective's check, `MPIComm._check`, leaves
+        it to the caller)."""
         raw, mpicomm, tag, world = self.raw, self.mpicomm, self.tag, self.comm.world
         pending = world.pending
         for p in self.peers:
@@ -123,11 +133,15 @@ class Exchange:
                 if m is None:
                     continue
                 probing.discard(p)
-                n = status.Get_count(_mpi().BYTE)
+                n = status.Get_count(_BYTE or _byte())
                 if n <= EAGER:  # a short message is all here once matched: take it now
                     buf = bytearray(n)
                     m.Recv(buf)
-                    self._took(p, buf)
+                    if buf == self.raw:  # the same call (the common case): _took's, inlined
+                        self.got[p] = (self.label, self.payload)
+                        self.same += 1
+                    else:
+                        self._took(p, buf)
                 else:  # a long one may still be in transfer: a request, tested with the deadline
                     buf = np.empty(n, np.uint8)
                     self.receiving.append((p, m.Irecv(buf), buf))
@@ -175,14 +189,6 @@ def verify(comm, label: str, got: dict) -> None:
         if got[j][0] != label:
             mine, theirs = (comm.state.rank, label), (comm.ranks[j], got[j][0])
             raise CollectiveMismatch(mismatch_message(comm.name, mine, theirs))
-
-
-def check_exchange(comm, label: str) -> Exchange:
-    """A collective's cross-rank check, not yet posted: the caller posts its label to every
-    other rank of `comm` (`Exchange.post`) after its first data send or before its first
-    wait, whichever comes first; the data plane's waits and the collective's end receive
-    the others' labels."""
-    return Exchange(comm, comm.ctrl, comm.others, label, b"", CTRL_TAG, post=False)
 
 
 def gather(comm, label: str, payload: bytes, what: str) -> list:

@@ -66,3 +66,37 @@ def test_world_report_gathers_every_rank(tmp_path):
     ]
     saved = json.loads((tmp_path / "bytes.json").read_text())
     assert [s["sent"] for s in saved] == [40, 0, 0]
+
+
+def test_message_path_records_are_records():
+    """Comm._record builds Records through ledger.Unfrozen (plain stores, then __class__ =
+    Record): each must be a Record equal to the constructor's in every way a user can see."""
+    import copy
+    import pickle
+    from dataclasses import FrozenInstanceError, asdict, astuple, replace
+
+    import numpy as np
+
+    import collectives as C
+    import emulator
+
+    def job(comm):
+        with emulator.scope("t"):
+            C.all_reduce(comm, np.arange(10.0), algorithm="ring")
+        comm.ledger.step = 3
+        if comm.rank == 0:
+            comm.send(np.ones(3, np.int16), 1)
+        else:
+            comm.recv(0, shape=3, dtype=np.int16)
+        return list(comm.ledger.records)
+
+    for recs in emulator.spawn(job, 2):
+        assert recs and {r.op for r in recs} == {"all_reduce", "p2p"}
+        for a in recs:
+            b = Record(*astuple(a))
+            assert type(a) is Record and a == b and hash(a) == hash(b) and repr(a) == repr(b)
+            assert asdict(a) == asdict(b) and replace(a, seq=7) == replace(b, seq=7)
+            assert pickle.loads(pickle.dumps(a)) == b and copy.deepcopy(a) == b
+            with pytest.raises(FrozenInstanceError):
+                a.nbytes = 0
+            assert not hasattr(a, "__dict__") and Record.__slots__ == tuple(asdict(b))
