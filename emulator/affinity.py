@@ -11,15 +11,7 @@ single-rank step's wall on two and 2.18x on one; at H 128, S 64 two cores win (1
 1.55x), because there the matmuls overlap.
 
 So a training program that knows its per-rank work is small runs its rank threads on one core
-(`one_core`), and gives the cores back at its end. On that core the threads also run without
-wake-up preemption (Linux SCHED_BATCH, the policy for CPU-bound work; same nice level, same
-share of the core): otherwise a rank that wakes a sleeping peer - every message to a waiting
-receiver - is preempted by it at once, only for the peer to block on the GIL the waker still
-holds, two context switches for nothing; under SCHED_BATCH the woken peer runs when the waker
-blocks. A tp4 SP step at the small size made 456 voluntary + 215 involuntary context switches
-with the default policy and 268 + 39 under SCHED_BATCH; 4 ranks doing a tiny all-gather and a
-64 KiB all-reduce, 500 times: 584-760 us CPU per pair against 511-638 (docs/performance.md,
-"tp5, fifth pass"). Only virtual ranks (threads of this process,
+(`one_core`), and gives the cores back at its end. Only virtual ranks (threads of this process,
 `shares_memory`): an MPI rank is a process of its own, and pinning every one to the same
 core would serialise the job.
 """
@@ -57,35 +49,10 @@ def one_core(comm, enabled: bool = True):
         return
     core = comm.allgather_object(_running_on(before))[0]
     os.sched_setaffinity(0, {core})  # 0: the calling thread (Linux)
-    policy = _batch()
     try:
         yield True
     finally:
-        if policy is not None:
-            _set_policy(*policy)
         os.sched_setaffinity(0, before)
-
-
-def _batch():
-    """The calling thread to SCHED_BATCH if it runs under the default policy; -> the policy
-    and parameters to restore, or None when nothing was changed (no such policy here, another
-    policy chosen by the user, or not permitted)."""
-    batch = getattr(os, "SCHED_BATCH", None)
-    try:
-        policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
-    except (AttributeError, OSError):
-        return None
-    if batch is None or policy != os.SCHED_OTHER or not _set_policy(batch, os.sched_param(0)):
-        return None
-    return policy, param
-
-
-def _set_policy(policy, param) -> bool:
-    try:
-        os.sched_setscheduler(0, policy, param)  # 0: the calling thread (Linux)
-    except OSError:
-        return False
-    return True
 
 
 def shares_memory(comm) -> bool:

@@ -34,22 +34,6 @@ def test_ranks_share_one_core_inside_and_get_their_cores_back():
     assert all(after == before for _, before, _, after in out), "a rank kept the pin"
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="needs Linux's SCHED_BATCH")
-def test_pinned_ranks_run_without_wakeup_preemption_and_get_their_policy_back():
-    def body(c):
-        before = os.sched_getscheduler(0)
-        with one_core(c):
-            inside = os.sched_getscheduler(0)
-        with one_core(c, False):
-            off = os.sched_getscheduler(0)
-        return before, inside, off, os.sched_getscheduler(0)
-
-    out = emulator.spawn(body, 3)
-    assert all(b == os.SCHED_OTHER for b, *_ in out), out
-    assert all(i == os.SCHED_BATCH for _, i, _, _ in out), "a pinned rank kept the default policy"
-    assert all(o == a == os.SCHED_OTHER for _, _, o, a in out), "a rank kept SCHED_BATCH"
-
-
 def test_disabled_or_not_virtual_ranks_change_nothing():
     class ProcessRanks:  # an MPI-like comm: ranks are processes, nothing is shared
         rank, size = 0, 1
