@@ -8,36 +8,9 @@ import pytest
 
 from emulator import halves
 from emulator.data import synthetic_batch
-from emulator.model import ModelConfig, init_params, model_backward, model_forward
+from emulator.model import ModelConfig, init_params
 from emulator.optim import AdamW, adamw_update
-
-
-@pytest.fixture
-def handoffs(monkeypatch):
-    """Split everything; -> the number of jobs in each hand-off, in order."""
-    monkeypatch.setattr(halves.blas, "threads", lambda: 2)
-    monkeypatch.setattr(halves, "MIN_SIZE", 1)
-    seen, two = [], halves._two
-
-    def spy(fn, first, second):
-        seen.append(len(first[1]) if fn is halves._each else 1)
-        two(fn, first, second)
-
-    monkeypatch.setattr(halves, "_two", spy)
-    return seen
-
-
-def _one_call(fn, monkeypatch):
-    with monkeypatch.context() as m:
-        m.setattr(halves, "_on", lambda: False)
-        return fn()
-
-
-def _same(got, want):
-    for g, w in zip(got, want, strict=True):
-        g, w = np.asarray(g), np.asarray(w)
-        assert g.dtype == w.dtype and g.shape == w.shape
-        assert g.tobytes() == w.tobytes(), f"max |diff| {np.max(np.abs(g - w))}"
+from tests.emulator.halves_kit import model_step, one_call, same
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -51,9 +24,7 @@ def test_block_in_one_forward_and_two_backward_handoffs(handoffs, monkeypatch, d
     params = init_params(cfg, 0)
     tokens, targets = synthetic_batch(0, 0, 2, 128, 32)
 
-    def run():
-        loss, cache = model_forward(params, tokens, targets, cfg, recompute=recompute)
-        return [loss, *model_backward(cache).values()]
+    run = model_step(params, tokens, targets, cfg, recompute)
 
     got = run()
     # forward: LN1 1 + q/k/v 6 + attention 1 + wo 3 + LN2 1 + w1 + GELU 3 + w2 3 = 18 per block;
@@ -67,7 +38,7 @@ def test_block_in_one_forward_and_two_backward_handoffs(handoffs, monkeypatch, d
     # between them), CE's and LN's dx backward, LN's sums
     assert handoffs[2:7] == [1, 1, 1, 1, 1]
     assert handoffs[7 : 7 + 2 * len(block_bwd)] == block_bwd * 2
-    _same(got, _one_call(run, monkeypatch))
+    same(got, one_call(run, monkeypatch))
 
 
 def test_odd_batch_keeps_attention_apart(handoffs, monkeypatch):
@@ -77,16 +48,14 @@ def test_odd_batch_keeps_attention_apart(handoffs, monkeypatch):
     params = init_params(cfg, 0)
     tokens, targets = synthetic_batch(0, 0, 3, 128, 32)
 
-    def run():
-        loss, cache = model_forward(params, tokens, targets, cfg)
-        return [loss, *model_backward(cache).values()]
+    run = model_step(params, tokens, targets, cfg, "none")
 
     got = run()
     assert handoffs[:3] == [7, 1, 10]  # forward: LN1 + q/k/v; attention; wo + LN2 + MLP
     # backward (after the head's 2 + 3): the MLP to wo's dx chain, its weight gradients and sums;
     # attention; q/k/v's dx, their sum, LN1's dx; their weight gradients and LN1's sums
     assert handoffs[8:13] == [6, 7, 1, 6, 7]
-    _same(got, _one_call(run, monkeypatch))
+    same(got, one_call(run, monkeypatch))
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
@@ -113,8 +82,8 @@ def test_adamw_step_in_one_handoff(handoffs, monkeypatch, weight_decay):
     for k, g in enumerate(grads, start=1):
         for n in shapes:
             adamw_update(want[n], g[n], m[n], v[n], k, lr=0.01, weight_decay=weight_decay)
-    _same(got, [*want.values(), *m.values(), *v.values()])
-    _same(got, _one_call(run, monkeypatch))
+    same(got, [*want.values(), *m.values(), *v.values()])
+    same(got, one_call(run, monkeypatch))
 
 
 def test_together_runs_around_a_whole_job(handoffs):

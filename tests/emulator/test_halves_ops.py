@@ -9,7 +9,8 @@ import pytest
 
 from emulator import halves, ops
 from emulator.data import synthetic_batch
-from emulator.model import ModelConfig, init_params, model_backward, model_forward
+from emulator.model import ModelConfig, init_params
+from tests.emulator.halves_kit import model_step, one_call, same
 
 DTYPES = [np.float32, np.float64]
 
@@ -29,20 +30,6 @@ def splits(monkeypatch):
 
     monkeypatch.setattr(halves, "_two", spy)
     return seen
-
-
-def _one_call(fn, monkeypatch):
-    """fn() with every split off (the one-thread definition)."""
-    with monkeypatch.context() as m:
-        m.setattr(halves, "_on", lambda: False)  # no split anywhere
-        return fn()
-
-
-def _same(got, want):
-    for g, w in zip(got, want, strict=True):
-        g, w = np.asarray(g), np.asarray(w)
-        assert g.dtype == w.dtype and g.shape == w.shape
-        assert g.tobytes() == w.tobytes(), f"max |diff| {np.max(np.abs(g - w))}"
 
 
 def _rand(rng, shape, dtype, scale=1.0):
@@ -65,12 +52,12 @@ def test_linear_and_layernorm(splits, monkeypatch, dtype, shape):
 
     got = run()
     assert splits  # the bias rows and sums, the layernorm rows and columns
-    _same(got, _one_call(run, monkeypatch))
+    same(got, one_call(run, monkeypatch))
     x2, dy2 = x.reshape(-1, H), dy.reshape(-1, H + 2)
-    _same(got[:3], [(x2 @ w + b).reshape(dy.shape), (dy2 @ w.T).reshape(x.shape), x2.T @ dy2])
-    _same([got[3]], [dy2.sum(axis=0)])  # db: NumPy's column sums
+    same(got[:3], [(x2 @ w + b).reshape(dy.shape), (dy2 @ w.T).reshape(x.shape), x2.T @ dy2])
+    same([got[3]], [dy2.sum(axis=0)])  # db: NumPy's column sums
     d, xhat = got[0][..., :H], ops.layernorm_forward(x, gain, bias, 1e-5)[1][0]
-    _same(got[6:], [(d * xhat).reshape(-1, H).sum(axis=0), d.reshape(-1, H).sum(axis=0)])
+    same(got[6:], [(d * xhat).reshape(-1, H).sum(axis=0), d.reshape(-1, H).sum(axis=0)])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -82,24 +69,9 @@ def test_gemm_by_rows(splits, monkeypatch, dtype, mkn):
     a, at, b = _rand(rng, (M, K), dtype), _rand(rng, (K, M), dtype).T, _rand(rng, (K, N), dtype)
     got = [ops._gemm(a, b), ops._gemm(at, b)]
     assert [f[0] for f, _ in splits] == [M // 2, M // 2]
-    _same(got, [a @ b, at @ b])
+    same(got, [a @ b, at @ b])
     small = ops._gemm(a[: 2 * ops.GEMM_HALF_MIN - 1], b)  # halves below the minimum: one call
     assert len(splits) == 2 and small.tobytes() == (a[: 2 * ops.GEMM_HALF_MIN - 1] @ b).tobytes()
-
-
-@pytest.fixture
-def handoffs(monkeypatch):
-    """Split everything; -> the list of the number of jobs in each hand-off."""
-    monkeypatch.setattr(halves.blas, "threads", lambda: 2)
-    monkeypatch.setattr(halves, "MIN_SIZE", 1)
-    seen, two = [], halves._two
-
-    def spy(fn, first, second):
-        seen.append(len(first[1]) if fn is halves._each else 1)
-        two(fn, first, second)
-
-    monkeypatch.setattr(halves, "_two", spy)
-    return seen
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -130,15 +102,15 @@ def test_one_handoff_per_layer(handoffs, monkeypatch, dtype, N):
 
     got = run()
     assert handoffs == [3, 6, 10, 1, 3, 3]  # the layernorm forward is one job anyway
-    want = _one_call(run, monkeypatch)
-    _same(got, want)
+    want = one_call(run, monkeypatch)
+    same(got, want)
     x2, r2 = x.reshape(-1, H), r.reshape(-1, F)
-    _same(
+    same(
         [got[0], got[4]],
         [(r2 + (x2 @ w + b)).reshape(r.shape), (dy.reshape(-1, F) @ w.T).reshape(x.shape)],
     )
     dxs = [(g.reshape(-1, F) @ wq.T).reshape(x.shape) for g, (wq, _) in zip([dy, 2 * dy, r], ws)]
-    _same([got[7]], [(dxs[0] + dxs[1]) + dxs[2]])
+    same([got[7]], [(dxs[0] + dxs[1]) + dxs[2]])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -154,7 +126,7 @@ def test_cross_entropy(splits, monkeypatch, dtype, shape):
 
     got = run()
     assert splits or shape[:-1] == (1, 1)  # one row: nothing to split
-    _same(got, _one_call(run, monkeypatch))
+    same(got, one_call(run, monkeypatch))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -170,10 +142,10 @@ def test_embedding_backward(splits, monkeypatch, dtype, H):
     run = lambda: ops.embedding_backward(dx, ops.embedding_forward(tokens, tok, pos)[1])
     got = run()
     assert splits or H == 1
-    _same(got, _one_call(run, monkeypatch))
+    same(got, one_call(run, monkeypatch))
     dtok = np.zeros_like(tok)
     np.add.at(dtok, tokens.reshape(-1), dx.reshape(-1, H))
-    _same(got, [dtok, np.concatenate([dx.sum(axis=0), np.zeros((4, H), dtype)])])
+    same(got, [dtok, np.concatenate([dx.sum(axis=0), np.zeros((4, H), dtype)])])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -189,7 +161,7 @@ def test_attention(splits, monkeypatch, dtype, B, keep):
 
     got = run()
     assert any(f[0] == B // 2 for f, _ in splits) == (B > 1)  # halves of the batch
-    _same(got, _one_call(run, monkeypatch))
+    same(got, one_call(run, monkeypatch))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "mixed"])
@@ -200,13 +172,11 @@ def test_model_step(splits, monkeypatch, dtype, recompute):
     params = init_params(cfg, 0)
     tokens, targets = synthetic_batch(0, 0, 3, 5, 13)
 
-    def run():
-        loss, cache = model_forward(params, tokens, targets, cfg, recompute=recompute)
-        return [loss, *model_backward(cache).values()]
+    run = model_step(params, tokens, targets, cfg, recompute)
 
     got = run()
     assert len(splits) > 40
-    _same(got, _one_call(run, monkeypatch))
+    same(got, one_call(run, monkeypatch))
 
 
 def test_one_blas_thread_restores_the_pool():
@@ -228,12 +198,10 @@ def test_block_forward_in_three_handoffs(handoffs, monkeypatch, dtype):
     params = init_params(cfg, 0)
     tokens, targets = synthetic_batch(0, 0, 3, 128, 32)
 
-    def run():
-        loss, cache = model_forward(params, tokens, targets, cfg)
-        return [loss, *model_backward(cache).values()]
+    run = model_step(params, tokens, targets, cfg, "none")
 
     got = run()
     # the jobs per hand-off: LN1 1 + q/k/v 2 x 3; attention; wo 3 (GEMM, bias, residual), LN2 1,
     # w1 + GELU 3, w2 3. bf16: LN1 alone (q/k/v read its cast output), then q/k/v, attention
     assert handoffs[:3] == ([7, 1, 10] if dtype == "float32" else [1, 6, 1])
-    _same(got, _one_call(run, monkeypatch))
+    same(got, one_call(run, monkeypatch))
