@@ -72,6 +72,19 @@ def share(group) -> tuple[int, int]:
     return 0, 1
 
 
+def shared_map(group, keys: list, fn) -> dict:
+    """{k: fn(k) for k in keys}, in keys' order. On virtual ranks (``share``) rank i of the
+    group's R computes the keys i, i + R, ... and the results are exchanged as objects
+    (uncounted), so the group computes each once instead of R times and its ranks share the
+    results (an end-of-run unshard); elsewhere, or alone, every rank computes every key."""
+    at, R = share(group)
+    got = {k: fn(k) for k in keys[at::R]}
+    if R > 1:
+        got = {k: v for theirs in group.allgather_object(got) for k, v in theirs.items()}
+        got = {k: got[k] for k in keys}
+    return got
+
+
 def merge_found(group, found: list, R: int) -> list:
     """This rank's findings of its share, (order key, ..., label) tuples -> the labels of every
     rank's, in the order one rank doing every item would have found them (gathered uncounted)."""

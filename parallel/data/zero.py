@@ -234,18 +234,15 @@ class ZeroOptimizer:
 
     # -- full-shape views for checks (uncounted control plane) ---------------------------------
     def _unshard(self, shards: dict) -> dict:
-        """{name: full array}: every rank's shards joined. On virtual ranks (affinity.share)
-        group rank i joins the layouts i, i + R, ... and the flat buffers are exchanged as
-        objects, so the group joins each once instead of R times; the full arrays are then
-        shared by the group's ranks (as unshard_once's are). Each rank gets its own views."""
+        """{name: full array}: every rank's shards joined, each layout once per group on virtual
+        ranks (affinity.shared_map: the group's ranks share the joined buffers). Each rank gets
+        its own views."""
         every = self.comm.allgather_object(shards)
-        at, R = affinity.share(self.comm)
-        flats = {}
-        for lay in self.layouts[at::R]:
-            flats[lay.index] = np.concatenate([e[lay.index] for e in every])  # (padded,)
-        if R > 1:
-            got = self.comm.allgather_object(flats)
-            flats = {i: f for theirs in got for i, f in theirs.items()}
+        flats = affinity.shared_map(
+            self.comm,
+            [lay.index for lay in self.layouts],
+            lambda i: np.concatenate([e[i] for e in every]),
+        )  # (padded,)
         out = {}
         for lay in self.layouts:
             out.update(lay.views(flats[lay.index]))  # views of it: no second copy

@@ -97,13 +97,11 @@ def unshard_experts(ep, params: dict, grads: dict) -> tuple[dict, dict]:
     """The stage's params / grads with the experts concatenated back to E over the ep group, in
     ep-coordinate order (uncounted: the check, not the training)."""
     every = ep.allgather_object((params, grads))
-    # on virtual ranks ep rank i joins the items i, i + R, ... and the group shares them
-    # (affinity.share, as unshard_once): each tensor joined once, not R times
+    # each expert tensor joined once per ep group on virtual ranks (affinity.shared_map)
     items = [(k, n) for k, d in enumerate((params, grads)) for n in d if is_expert(n)]
-    at, R = affinity.share(ep)
-    joined = {(k, n): np.concatenate([e[k][n] for e in every]) for k, n in items[at::R]}
-    if R > 1:
-        joined = {key: a for theirs in ep.allgather_object(joined) for key, a in theirs.items()}
+    joined = affinity.shared_map(
+        ep, items, lambda kn: np.concatenate([e[kn[0]][kn[1]] for e in every])
+    )
 
     def whole(k, d):
         return {n: joined.get((k, n), a) for n, a in d.items()}

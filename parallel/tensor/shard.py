@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from emulator.affinity import share
+from emulator.affinity import shared_map
 from emulator.ledger import format_table
 
 KINDS = ("replicate", "col", "row", "vocab", "experts", "seq")
@@ -134,13 +134,11 @@ def unshard_once(group, shards: list, plan: dict) -> dict:
     (uncounted), so the group does the work once instead of R times; the full arrays are then
     shared by the group's ranks (as any allgather_object's are). Elsewhere each rank unshards:
     an object sent to another process is copied anyway."""
-    part, R = share(group)
-    if R == 1:
-        return unshard(shards, plan)
-    names = list(shards[0])
-    mine = unshard([{n: s[n] for n in names[part::R]} for s in shards], plan)
-    parts = group.allgather_object(mine)
-    return {n: parts[i % R][n] for i, n in enumerate(names)}
+    if not shards:
+        return unshard(shards, plan)  # its error
+    return shared_map(
+        group, list(shards[0]), lambda n: unshard([{n: s[n]} for s in shards], plan)[n]
+    )
 
 
 def describe(plan: dict, shapes: dict, R: int) -> str:
