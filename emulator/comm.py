@@ -30,15 +30,7 @@ import numpy as np
 
 from .ledger import Ledger, Record, Unfrozen
 from .memory import MemoryLedger
-from .message import (  # noqa: F401 - re-exported: the backends import them from here
-    _EXPECTED,
-    _SENDABLE,
-    _dtype_name,
-    _expected,
-    _normalised,
-    as_message,
-    check_peer,
-)
+from .message import _SENDABLE, _dtype_name, _expected, as_message, check_peer
 from .rank import (  # noqa: F401 - re-exported: the backends and users import them from here
     Call,
     CollectiveMismatch,

@@ -14,8 +14,9 @@ bound to the thread (so `emulator.scope` tags land in its ledger) and returns (r
 
 from __future__ import annotations
 
-from emulator.comm import Call, Comm, _bind_state, _expected
+from emulator.comm import Call, Comm, _bind_state
 from emulator.ledger import Ledger
+from emulator.message import _expected
 from emulator.rank import RankState
 from emulator.shapes import ShapeArray, shape_only
 

@@ -30,7 +30,6 @@ import numpy as np
 
 from . import blas, watchdog
 from .comm import (
-    _SENDABLE,
     Call,
     CollectiveMismatch,
     Comm,
@@ -38,10 +37,10 @@ from .comm import (
     RankAborted,
     UnreceivedMessage,
     _bind_state,
-    _expected,
     mismatch_message,
 )
 from .mailbox import leftover_report
+from .message import _SENDABLE, _expected
 from .world import VirtualWorld
 
 DEFAULT_TIMEOUT = 60.0

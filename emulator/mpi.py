@@ -26,17 +26,9 @@ import pickle
 
 import numpy as np
 
-from .comm import (
-    _SENDABLE,
-    Call,
-    CollectiveMismatch,
-    Comm,
-    CommError,
-    RankState,
-    _bind_state,
-    _expected,
-)
+from .comm import Call, CollectiveMismatch, Comm, CommError, RankState, _bind_state
 from .ledger import Ledger
+from .message import _SENDABLE, _expected
 from .mpi_call import OpenCall, label
 from .mpi_control import CTRL_TAG, OBJECTS, Exchange, MPIWorld, gather, poll, verify
 from .mpi_groups import make_group

@@ -16,7 +16,8 @@ import functools
 
 import numpy as np
 
-from .comm import P2P, Call, _dtype_name
+from .comm import P2P, Call
+from .message import _dtype_name
 
 _NAMES: dict = {}  # dtype -> _dtype_name(dtype): str(dtype) is computed in Python by NumPy
 
