@@ -26,6 +26,7 @@ from emulator import scope
 from emulator.config import param_shapes
 from emulator.memory import saved_nbytes
 from emulator.ops import (
+    add_into,
     attention_backward,
     attention_forward,
     layernorm_backward,
@@ -169,14 +170,13 @@ def tp_block_forward(tp, bp, x, cfg, *, sp=False, regather=True, keep_probs=True
 def _residual(x, t, b=None):
     """add(x, add(t, b)): the residual add of a row-parallel layer's reduced output t (b its
     bias, added once after the reduction), t the fresh array the collective returned, which
-    nothing else holds. Without a cast both adds go into t's buffer (t += b; t += x: IEEE
-    addition commutes, so t + x is x + t bitwise), saving two (B, S_l, H) arrays per call."""
-    same = t.dtype == x.dtype == arith_dtype(t.dtype) and t.shape == x.shape
-    if not (same and t.flags.writeable and (b is None or b.dtype == t.dtype)):
+    nothing else holds. Without a cast both adds go into t's buffer (t += b, then add_into:
+    IEEE addition commutes, so t + x is x + t bitwise), saving two (B, S_l, H) arrays a call."""
+    if not t.flags.writeable:
         return add(x, t if b is None else add(t, b))
     if b is not None:
-        np.add(t, b, out=t)
-    return np.add(t, x, out=t)
+        t = np.add(t, b, out=t) if t.dtype == b.dtype == arith_dtype(t.dtype) else add(t, b)
+    return add_into(x, t)
 
 
 def _linear_input(tp, c, key, local):
