@@ -29,8 +29,8 @@ jobs to the helper at once (a GEMM, its bias add and a residual add on the same 
 backward's three GEMM-and-sum jobs): one wake-up of the helper per op group instead of one per
 job; ``deferred`` queues a whole chain (a dense block's forward, or its backward's dx chain
 with ``together_then`` keeping the weight gradients for a second hand-off) and ``independent``
-takes AdamW's parameters at once. The helper is one persistent thread woken through a lock (half a ThreadPoolExecutor's
-submit-and-wait CPU: ~15 against ~30 us). Checked: tests/emulator/test_halves*.py against the one
+takes AdamW's parameters at once. The helper is one persistent thread woken through a lock
+(half a ThreadPoolExecutor's submit-and-wait CPU: ~15 against ~30 us). Checked: tests/emulator/test_halves*.py against the one
 call, and `bench model --digest` against the unsplit tree.
 
 It splits only on the main thread (virtual ranks are other threads and get 1 BLAS thread each,
@@ -245,7 +245,7 @@ def independent(*jobs) -> None:
             fn(*arrays)
         return
     todo, first, second, load, after = [], [], [], [0, 0], []
-    for job in sorted(jobs, key=lambda j: j[0] == COLUMNS):  # the sums last, to balance
+    for job in sorted(jobs, key=_sums_last_largest_first):  # to balance the whole sums
         kind, _, arrays = job
         part = None if kind in (ONE, COLUMNS) else _split(kind, arrays)
         if part is None and (kind == ONE or not all(a.ndim for a in arrays)):
@@ -266,6 +266,11 @@ def independent(*jobs) -> None:
         after = todo + after
     for _, fn, arrays in after:
         fn(*arrays)
+
+
+def _sums_last_largest_first(job):
+    kind, _, arrays = job
+    return (True, -sum(a.size for a in arrays)) if kind == COLUMNS else (False, 0)
 
 
 def in_halves(fn, *arrays) -> None:

@@ -106,13 +106,15 @@ def test_together_runs_around_a_whole_job(handoffs):
     assert np.array_equal(out, 2 * a + 1 - col[0])
 
 
-def test_independent_sums_whole_on_both_sides(handoffs):
-    """Sums over rows in independent(): each whole (every column) on one thread, largest first,
-    each on the side with less so far, bitwise NumPy's own sum(axis=0)."""
+@pytest.mark.parametrize("order", [(40, 30, 20), (20, 40, 30)])
+def test_independent_sums_whole_on_both_sides(handoffs, order):
+    """Sums over rows in independent(): each whole (every column) on one thread, largest first
+    whatever order they come in, each on the side with less so far, bitwise NumPy's own
+    sum(axis=0)."""
     import threading
 
     rng = np.random.default_rng(5)
-    arrays = [rng.standard_normal((n, 7 + n)) for n in (40, 30, 20)]
+    arrays = [rng.standard_normal((n, 7 + n)) for n in order]
     outs = [np.empty(a.shape[1]) for a in arrays]
     seen = []
 
