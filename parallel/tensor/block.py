@@ -19,6 +19,8 @@ The block reuses emulator/ops.py unchanged; only the calls to f, g (enter, leave
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from collectives.api import all_reduce
@@ -55,7 +57,12 @@ _TOP_PLAN = {"embed.tok": Placement("vocab", 0), "head.w": Placement("vocab", -1
 
 def megatron_plan(cfg) -> dict:
     """name -> Placement for every parameter; everything not listed is replicated (LayerNorms,
-    row-parallel biases bo / b2, embed.pos, final_ln, the MoE router)."""
+    row-parallel biases bo / b2, embed.pos, final_ln, the MoE router). A new dict each call."""
+    return dict(_plan(cfg))
+
+
+@functools.lru_cache(maxsize=64)  # every rank of a run asks for the same config's plan
+def _plan(cfg) -> dict:
     plan = {}
     for name in param_shapes(cfg):
         leaf = name.split(".", 2)[2] if name.startswith("blocks.") else None

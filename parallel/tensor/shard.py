@@ -33,6 +33,9 @@ KINDS = ("replicate", "col", "row", "vocab", "experts", "seq")
 class Placement:
     kind: str  # one of KINDS
     axis: int | None = None  # the cut axis (None for replicate); negative counts from the end
+    # kind != "replicate", set once (a plain attribute: read per tensor in every shard, unshard
+    # and replica check); not part of the placement's identity
+    sharded: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -41,10 +44,7 @@ class Placement:
             raise ValueError(
                 f"Placement {self.kind!r}: replicate takes no axis, every other kind needs one"
             )
-
-    @property
-    def sharded(self) -> bool:
-        return self.kind != "replicate"
+        object.__setattr__(self, "sharded", self.kind != "replicate")
 
     def __str__(self) -> str:
         return self.kind if not self.sharded else f"{self.kind}(axis={self.axis})"
@@ -115,16 +115,16 @@ def unshard(shards: list, plan: dict, *, check_replicas: bool = False) -> dict:
     """
     if not shards:
         raise ValueError("unshard: need the list of every rank's shards, got an empty list")
-    out = {}
-    for name in shards[0]:
-        p, parts = plan[name], [s[name] for s in shards]
-        if p.sharded:
-            out[name] = np.concatenate(parts, axis=_axis(p, parts[0].ndim, name))
-        else:
-            if check_replicas and not all(np.array_equal(parts[0], q) for q in parts[1:]):
-                raise ValueError(f"unshard: replicas of {name} differ across ranks")
-            out[name] = np.array(parts[0], copy=True)
-    return out
+    return {n: _join(n, plan[n], [s[n] for s in shards], check_replicas) for n in shards[0]}
+
+
+def _join(name: str, p: Placement, parts: list, check_replicas: bool = False) -> np.ndarray:
+    """One tensor's full array from every rank's block of it (``unshard`` of one name)."""
+    if p.sharded:
+        return np.concatenate(parts, axis=_axis(p, parts[0].ndim, name))
+    if check_replicas and not all(np.array_equal(parts[0], q) for q in parts[1:]):
+        raise ValueError(f"unshard: replicas of {name} differ across ranks")
+    return np.array(parts[0], copy=True)
 
 
 def unshard_once(group, shards: list, plan: dict) -> dict:
@@ -136,9 +136,7 @@ def unshard_once(group, shards: list, plan: dict) -> dict:
     an object sent to another process is copied anyway."""
     if not shards:
         return unshard(shards, plan)  # its error
-    return shared_map(
-        group, list(shards[0]), lambda n: unshard([{n: s[n]} for s in shards], plan)[n]
-    )
+    return shared_map(group, list(shards[0]), lambda n: _join(n, plan[n], [s[n] for s in shards]))
 
 
 def describe(plan: dict, shapes: dict, R: int) -> str:

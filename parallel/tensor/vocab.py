@@ -22,7 +22,7 @@ import numpy as np
 
 from collectives.api import all_reduce
 from emulator.ops import layernorm_backward, layernorm_forward, linear_backward, linear_forward
-from emulator.precision import down, up
+from emulator.precision import arith_dtype, down, up
 from parallel.tensor.block import enter, enter_backward, leave, leave_backward
 from parallel.tensor.sequence import seq_slice
 
@@ -46,7 +46,11 @@ def vocab_embedding_forward(tp, tokens, tok, pos, *, sp=False, positions=None):
     s = seq_slice(S, tp.size, tp.rank) if sp else slice(0, S)  # this rank's local columns
     if positions is not None:  # cp: the global positions of the columns, cut by SP as they are
         s = np.asarray(positions)[s]  # distinct rows: dpos[s] = ... below is exact
-    x = down(up(x) + up(pos[s]), tok.dtype)
+    rows = pos[s]  # (S_l, H)
+    if x.flags.writeable and x.dtype == rows.dtype == arith_dtype(x.dtype):
+        x += rows  # the collective's fresh output, nothing cast: x + rows in its buffer
+    else:
+        x = down(up(x) + up(rows), tok.dtype)
     return x, (local, mine, tok.shape, pos.shape, s, sp, tok.dtype)
 
 
@@ -69,19 +73,27 @@ def vocab_ce_sum_forward(tp, logits, targets):
     z = z - M[:, None]
     t, mine = _owned(targets.reshape(-1), tp.rank * Vl, Vl)
     picked = np.where(mine, z[np.arange(t.size), t], 0.0)  # (N,) the target's shifted logit
-    sums = all_reduce(tp, np.stack([np.exp(z).sum(axis=-1), picked]), algorithm="ring")  # (2, N)
+    e = np.exp(z, out=z)  # exp(l - M) in z's buffer, once z[t] is taken
+    sums = all_reduce(tp, np.stack([e.sum(axis=-1), picked]), algorithm="ring")  # (2, N)
     total = (np.log(sums[0]) - sums[1]).sum()
-    return total, t.size, (logits, t, mine, M, sums[0])
+    # the backward's exp(l - M): kept instead of the logits when it has their bytes (nothing
+    # was cast; the logits are then held by nothing else), else recomputed from them
+    kept = e if e.dtype == logits.dtype else None
+    return total, t.size, (logits if kept is None else kept, kept is not None, logits.shape,
+                           logits.dtype, t, mine, M, sums[0])  # fmt: skip
 
 
 def vocab_ce_sum_backward(dsum, cache):
     """-> dlogits (B, S, V/R) = dsum * (softmax - onehot), the softmax from the kept M and Z."""
-    logits, t, mine, M, Z = cache
-    g = np.exp(up(logits).reshape(-1, logits.shape[-1]) - M[:, None]) / Z[:, None]
+    kept, is_exp, shape, dtype, t, mine, M, Z = cache
+    if is_exp:  # exp(l - M), (N, V/R)
+        g = kept / Z[:, None]
+    else:  # the logits: the same exp(l - M) again
+        g = np.exp(up(kept).reshape(-1, shape[-1]) - M[:, None]) / Z[:, None]
     rows = np.flatnonzero(mine)
     g[rows, t[rows]] -= 1.0
     g *= dsum
-    return down(g.reshape(logits.shape), logits.dtype)
+    return down(g.reshape(shape), dtype)
 
 
 def vocab_head_forward(tp, params, x, targets, cfg, *, sp=False, denom=None):

@@ -99,3 +99,21 @@ def test_describe_prints_the_plan():
     text = describe(megatron_plan(cfg), param_shapes(cfg), 2)
     assert "blocks.0.attn.wq" in text and "col(axis=-1)" in text and "(8, 4)" in text
     assert "vocab(axis=0)" in text and "replicate" in text
+
+
+def test_megatron_plan_is_a_new_dict_each_call():
+    # the plan is computed once per config (every rank of a run asks): a caller's edit of the
+    # dict it got (parallel/expert/nd.py builds its own from one) must not reach the next caller
+    cfg = ModelConfig(vocab_size=8, max_seq_len=4, d_model=8, n_heads=2, n_layers=1)
+    first = megatron_plan(cfg)
+    first["blocks.0.attn.wq"] = REPLICATE
+    del first["head.w"]
+    again = megatron_plan(cfg)
+    assert again["blocks.0.attn.wq"] == Placement("col", -1) and "head.w" in again
+    assert list(again) == list(param_shapes(cfg))
+
+
+def test_placement_sharded_is_not_part_of_its_identity():
+    a, b = Placement("col", -1), Placement("col", -1)
+    assert a == b and hash(a) == hash(b) and a.sharded and not REPLICATE.sharded
+    assert repr(a) == "Placement(kind='col', axis=-1)" and str(a) == "col(axis=-1)"
