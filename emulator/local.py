@@ -41,6 +41,7 @@ from .comm import (
 )
 from .mailbox import leftover_report
 from .message import _SENDABLE, _expected
+from .mpi_call import OpenCall
 from .world import VirtualWorld
 
 DEFAULT_TIMEOUT = 60.0
@@ -52,6 +53,11 @@ class VirtualComm(Comm):
         self.gid = world.gid(key, name)
         self._out: dict = {}  # group rank -> (its Mailbox, our lane in it): point-to-point
         self._in: dict = {}  # group rank -> its lane in our Mailbox
+
+    def collective(self, op: str, algorithm: str = "", array=None, extra: str = ""):
+        """Comm.collective's steps without its generator (emulator.mpi_call.OpenCall, as on
+        MPI): ~150 fewer bytecodes a call, and a tp4 SP step makes ~50 calls per rank."""
+        return OpenCall(self, op, algorithm, array, extra)
 
     # -- the message path: Comm.send / Comm.recv with the backend hooks inlined --------------
     # Same checks, same copies, same records, same errors: the uncommon cases (another array
