@@ -114,6 +114,40 @@ class VirtualComm(Comm):
         self._record("recv", src, msg.nbytes)
         return msg
 
+    def sendrecv(self, array, dst: int, src: int, out=None, shape=None, dtype=None):
+        # A collective's step into its own buffer (every ring step): send, then recv, in one
+        # frame - the same checks, copies, records and errors; anything else (no `out`, user
+        # traffic, another array type, a peer to check) is Comm.sendrecv = send + recv.
+        call = self.state.current
+        if (
+            call is None
+            or type(out) is not np.ndarray
+            or type(array) is not np.ndarray
+            or array.dtype not in _SENDABLE
+            or type(dst) is not int
+            or type(src) is not int
+            or not out.flags.c_contiguous
+        ):
+            return Comm.sendrecv(self, array, dst, src, out, shape, dtype)
+        p, me = self.world_size, self.rank
+        if not 0 <= dst < p or dst == me or not 0 <= src < p or src == me:
+            return Comm.sendrecv(self, array, dst, src, out, shape, dtype)
+        w = self.world
+        if w.failure is not None:
+            w.raise_if_failed()
+        ranks, seq = self.ranks, call.seq
+        w.boxes[ranks[dst]].put(self, seq, array.copy())
+        self._record("send", dst, array.nbytes)
+        if w.failure is not None:
+            w.raise_if_failed()
+        s = ranks[src]
+        msg = w.boxes[self.state.rank].get(self, seq, s)
+        if msg.shape != out.shape or msg.dtype != out.dtype:
+            self._mismatch(s, out.shape, out.dtype, msg)
+        out[...] = msg
+        self._record("recv", src, out.nbytes)
+        return out
+
     def _mismatch(self, s: int, shape, dtype, msg) -> None:
         me = self.state.rank
         self.world.fail(
