@@ -126,7 +126,8 @@ def all_gather(comm, x, algorithm: str = "ring", sizes=None) -> np.ndarray:
     arr, extra = (x, "") if sizes is None else (None, f"{x.dtype}, row={rest}, sizes={rs}")
     with comm.collective("all_gather", algo, arr, extra=extra):
         k = math.prod(rest)
-        out = ring.all_gather(comm, _flat(x), [s * k for s in rs])
+        counts = (rows * k,) * comm.world_size if sizes is None else [s * k for s in rs]
+        out = ring.all_gather(comm, _flat(x), counts)
         return out.reshape((sum(rs), *rest))
 
 

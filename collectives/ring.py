@@ -37,7 +37,7 @@ def _steps(counts: tuple, r: int, gather: bool) -> tuple:
 
 def reduce_scatter(comm, x: np.ndarray, counts, op: str) -> np.ndarray:
     """x: (N,) contiguous, never written. Returns the reduced chunk r, (counts[r],), new array."""
-    p, r = comm.size, comm.rank
+    p, r = comm.world_size, comm.rank
     if p == 1:
         return x.copy()
     counts = tuple(counts)
@@ -50,14 +50,17 @@ def reduce_scatter(comm, x: np.ndarray, counts, op: str) -> np.ndarray:
     for s, (a, b, c, d) in enumerate(_steps(counts, r, False)):
         send = x[a:b] if s == 0 else acc
         into = bufs[s % 2][: d - c]
-        got = exchange(comm, send if b > a else None, dst, src, d - c, x.dtype, into)
+        if b > a and d > c:  # both ways (every step of an even split): exchange's last case
+            got = comm.sendrecv(send, dst, src, out=into)
+        else:
+            got = exchange(comm, send if b > a else None, dst, src, d - c, x.dtype, into)
         acc = combine(op, got, x[c:d])  # (counts[cr],) we own `got`
     return acc
 
 
 def all_gather(comm, mine: np.ndarray, counts) -> np.ndarray:
     """mine: (counts[r],). Returns the (N,) concatenation of every rank's chunk, new array."""
-    p, r = comm.size, comm.rank
+    p, r = comm.world_size, comm.rank
     counts = tuple(counts)
     steps = _steps(counts, r, True)
     out = np.empty(sum(counts), mine.dtype)  # (N,)
@@ -65,8 +68,10 @@ def all_gather(comm, mine: np.ndarray, counts) -> np.ndarray:
     out[lo : lo + counts[r]] = mine
     dst, src = (r + 1) % p, (r - 1) % p
     for a, b, c, d in steps:
-        send = out[a:b] if b > a else None
-        exchange(comm, send, dst, src, d - c, out.dtype, out=out[c:d])
+        if b > a and d > c:  # both ways (every step of an even split): exchange's last case
+            comm.sendrecv(out[a:b], dst, src, out=out[c:d])
+        else:
+            exchange(comm, out[a:b] if b > a else None, dst, src, d - c, out.dtype, out=out[c:d])
     return out
 
 

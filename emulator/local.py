@@ -212,7 +212,7 @@ class VirtualComm(Comm):
             if entry[2] == self.world_size:
                 del w.calls[key]
         first_rank, first = entry[0], entry[1]
-        if first.signature() != call.signature():
+        if first is not call and first.signature() != call.signature():
             exc = CollectiveMismatch(
                 mismatch_message(self.name, (first_rank, first.describe()), (me, call.describe()))
             )
