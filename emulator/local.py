@@ -31,18 +31,16 @@ import numpy as np
 from . import blas, watchdog
 from .comm import (
     Call,
-    CollectiveMismatch,
     Comm,
     CommError,
     RankAborted,
     UnreceivedMessage,
     _bind_state,
-    mismatch_message,
 )
 from .mailbox import leftover_report
 from .message import _SENDABLE, _expected
 from .mpi_call import OpenCall
-from .world import VirtualWorld
+from .world import VirtualWorld, check_call, gather_objects
 
 DEFAULT_TIMEOUT = 60.0
 
@@ -196,58 +194,12 @@ class VirtualComm(Comm):
                 ),
             )
 
-    def _check(self, call: Call) -> None:
-        w = self.world
-        if w.failure is not None:
-            w.raise_if_failed()
-        if not w.check:
-            return
-        key = (self.key, call.seq)
-        me = self.state.rank
-        with w.lock:
-            entry = w.calls.get(key)
-            if entry is None:
-                w.calls[key] = entry = [me, call, 0]
-            entry[2] += 1
-            if entry[2] == self.world_size:
-                del w.calls[key]
-        first_rank, first = entry[0], entry[1]
-        if first is not call and first.signature() != call.signature():
-            exc = CollectiveMismatch(
-                mismatch_message(self.name, (first_rank, first.describe()), (me, call.describe()))
-            )
-            w.abort(me, exc)
-            raise exc
+    # the cross-rank call check and the control-plane gather: world.py, beside their tables
+    _check = check_call
+    allgather_object = gather_objects
 
     def _make_group(self, glob: tuple, name: str, key) -> Comm:
         return VirtualComm(self.world, self.state, glob, name, key)
-
-    def allgather_object(self, obj) -> list:
-        w, st = self.world, self.state
-        n = st.seqs.get(("objects", self.key), 0)
-        st.seqs[("objects", self.key)] = n + 1
-        if w.failure is not None:
-            w.raise_if_failed()
-        with w.lock:
-            objs = w.objects.setdefault((self.key, n), {})
-            objs[self.rank] = obj
-            complete = len(objs) == self.world_size
-            if complete:  # every member holds `objs` already: the table entry can go
-                del w.objects[(self.key, n)]
-        st.progress += 1
-        if complete:  # the last arrival wakes the others: O(p) per gather, not O(p^2)
-            for g in self.ranks:
-                w.boxes[g].wake()
-        else:
-            w.boxes[st.rank].wait_for(
-                lambda: len(objs) == self.world_size,
-                lambda: (
-                    f"rank {st.rank} waited {w.timeout:g} s in a control-plane gather of group "
-                    f"{self.name!r}; ranks "
-                    f"{sorted(set(range(self.world_size)) - set(objs))} never arrived."
-                ),
-            )
-        return [objs[r] for r in range(self.world_size)]
 
 
 def spawn(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, check: bool = True, **kw):
