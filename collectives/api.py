@@ -18,6 +18,8 @@ and put the agreed parameters in `extra` instead. Byte counts: cost.py. Ops/dtyp
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import alltoall, cost, double_tree, ring, tree
@@ -26,8 +28,22 @@ from .ops import check_dtype, check_op, finalize
 
 def _array(x, what: str) -> np.ndarray:
     x = np.asarray(x)
-    check_dtype(x.dtype, what)
+    if x.dtype not in _DTYPES:  # a dtype check_dtype passed once passes again
+        check_dtype(x.dtype, what)
+        _DTYPES.add(x.dtype)
     return x
+
+
+def _op(op: str, dtype, what: str) -> None:
+    """check_op(op, dtype, what), skipped for an (op, dtype) pair that passed it before (its
+    outcome depends on the pair only: `what` is the error text's prefix)."""
+    try:
+        if (op, dtype) in _CHECKED:
+            return
+    except TypeError:  # an unhashable op: the check names it
+        pass
+    check_op(op, dtype, what)
+    _CHECKED.add((op, dtype))
 
 
 def _flat(x: np.ndarray) -> np.ndarray:
@@ -61,6 +77,7 @@ _ALL_REDUCE = {
     "double_tree": double_tree.all_reduce,
 }
 _CHECKED: set = set()  # (op, dtype) pairs check_op passed: a repeated call skips the checks
+_DTYPES: set = set()  # dtypes check_dtype passed
 
 
 def all_reduce(comm, x, op: str = "sum", algorithm: str = "auto") -> np.ndarray:
@@ -89,12 +106,13 @@ def all_reduce(comm, x, op: str = "sum", algorithm: str = "auto") -> np.ndarray:
 def reduce_scatter(comm, x, op: str = "sum", algorithm: str = "ring") -> np.ndarray:
     """Reduce, and keep rows chunk `rank` of axis 0: (n,...) -> (counts[rank], ...)."""
     x = _array(x, "reduce_scatter")
-    check_op(op, x.dtype, "reduce_scatter")
+    _op(op, x.dtype, "reduce_scatter")
     algo = _choose("reduce_scatter", algorithm, ("ring",))
     rows, rest = _rows(x, "reduce_scatter"), x.shape[1:]
     with comm.collective("reduce_scatter", algo, x, extra=f"op={op}"):
         rc = cost.chunk_counts(rows, comm.size)
-        counts = [c * int(np.prod(rest, dtype=np.int64)) for c in rc]
+        k = math.prod(rest)  # elements per row (shape entries are ints: exact)
+        counts = [c * k for c in rc]
         out = ring.reduce_scatter(comm, _flat(x), counts, op)
         return finalize(op, out, comm.size).reshape((rc[comm.rank], *rest))
 
@@ -107,8 +125,9 @@ def all_gather(comm, x, algorithm: str = "ring", sizes=None) -> np.ndarray:
     rs = _sizes(comm, sizes, rows, "all_gather")
     arr, extra = (x, "") if sizes is None else (None, f"{x.dtype}, row={rest}, sizes={rs}")
     with comm.collective("all_gather", algo, arr, extra=extra):
-        k = int(np.prod(rest, dtype=np.int64))
-        out = ring.all_gather(comm, _flat(x), [s * k for s in rs])
+        k = math.prod(rest)
+        counts = (rows * k,) * comm.world_size if sizes is None else [s * k for s in rs]
+        out = ring.all_gather(comm, _flat(x), counts)
         return out.reshape((sum(rs), *rest))
 
 
@@ -140,7 +159,7 @@ def broadcast(comm, x, root: int = 0, algorithm: str = "tree") -> np.ndarray:
 def reduce(comm, x, root: int = 0, op: str = "sum", algorithm: str = "tree"):
     """The reduction on root (a new array); None on the other ranks."""
     x = _array(x, "reduce")
-    check_op(op, x.dtype, "reduce")
+    _op(op, x.dtype, "reduce")
     root = _root(comm, root, "reduce")
     algo = _choose("reduce", algorithm, ("tree",))
     with comm.collective("reduce", algo, x, extra=f"op={op}, root={root}"):

@@ -10,6 +10,12 @@ each rank adds its own contribution to the partial it receives, so chunk c is
   ((x[c+1] + x[c+2]) + x[c+3]) + ... + x[c]      (indices mod p)
 which differs in the last bits from np.sum's order x[0] + x[1] + ... for floats.
 These functions move bytes only; call them through collectives.api, which labels the call.
+
+On a backend whose messages are handed over (`comm.hands_over`: virtual ranks, where a message
+is the sender's private copy) each partial is received as that copy itself, reduced or stored
+where it arrived, and passed on with `sendrecv(..., give=True)` (no eager copy: the ring never
+touches it again): a reduce-scatter step then copies nothing, an all-gather step once (into
+the result). The same messages, bytes and records in the same order; the same arithmetic.
 """
 
 from __future__ import annotations
@@ -37,36 +43,82 @@ def _steps(counts: tuple, r: int, gather: bool) -> tuple:
 
 def reduce_scatter(comm, x: np.ndarray, counts, op: str) -> np.ndarray:
     """x: (N,) contiguous, never written. Returns the reduced chunk r, (counts[r],), new array."""
-    p, r = comm.size, comm.rank
+    p, r = comm.world_size, comm.rank
     if p == 1:
         return x.copy()
     counts = tuple(counts)
     dst, src = (r + 1) % p, (r - 1) % p
     # Two receive buffers, used in turn: step s receives into one while it sends the other's
     # partial (step s-1's, complete once that step returned), so p-1 steps allocate two.
+    if comm.hands_over:
+        return _reduce_scatter_handed(comm, x, _steps(counts, r, False), dst, src, op)
     big = max(counts)
     bufs = (np.empty(big, x.dtype), np.empty(big, x.dtype)) if p > 2 else (np.empty(big, x.dtype),)
     acc = None  # the partial received last step: it is the one we forward next
     for s, (a, b, c, d) in enumerate(_steps(counts, r, False)):
         send = x[a:b] if s == 0 else acc
         into = bufs[s % 2][: d - c]
-        got = exchange(comm, send if b > a else None, dst, src, d - c, x.dtype, into)
+        if b > a and d > c:  # both ways (every step of an even split): exchange's last case
+            got = comm.sendrecv(send, dst, src, out=into)
+        else:
+            got = exchange(comm, send if b > a else None, dst, src, d - c, x.dtype, into)
+        acc = combine(op, got, x[c:d])  # (counts[cr],) we own `got`
+    return acc
+
+
+def _reduce_scatter_handed(comm, x: np.ndarray, steps, dst: int, src: int, op: str):
+    """reduce_scatter's steps where messages are handed over: each partial arrives as the
+    sender's copy, is reduced in place, and is given to the next rank (no buffers, no copies
+    but step 0's of our own input)."""
+    acc, dt = None, x.dtype  # the partial received last step: it is the one we forward next
+    for s, (a, b, c, d) in enumerate(steps):
+        if b > a and d > c:
+            if s:
+                got = comm.sendrecv(acc, dst, src, shape=(d - c,), dtype=dt, give=True)
+            else:
+                got = comm.sendrecv(x[a:b], dst, src, shape=(d - c,), dtype=dt)
+        else:
+            send = (acc if s else x[a:b]) if b > a else None
+            got = exchange(comm, send, dst, src, d - c, dt)
         acc = combine(op, got, x[c:d])  # (counts[cr],) we own `got`
     return acc
 
 
 def all_gather(comm, mine: np.ndarray, counts) -> np.ndarray:
     """mine: (counts[r],). Returns the (N,) concatenation of every rank's chunk, new array."""
-    p, r = comm.size, comm.rank
+    p, r = comm.world_size, comm.rank
     counts = tuple(counts)
     steps = _steps(counts, r, True)
     out = np.empty(sum(counts), mine.dtype)  # (N,)
     lo = steps[0][0] if steps else 0  # step 0 sends our own chunk r
     out[lo : lo + counts[r]] = mine
     dst, src = (r + 1) % p, (r - 1) % p
+    if comm.hands_over:
+        return _all_gather_handed(comm, out, steps, dst, src)
     for a, b, c, d in steps:
-        send = out[a:b] if b > a else None
-        exchange(comm, send, dst, src, d - c, out.dtype, out=out[c:d])
+        if b > a and d > c:  # both ways (every step of an even split): exchange's last case
+            comm.sendrecv(out[a:b], dst, src, out=out[c:d])
+        else:
+            exchange(comm, out[a:b] if b > a else None, dst, src, d - c, out.dtype, out=out[c:d])
+    return out
+
+
+def _all_gather_handed(comm, out: np.ndarray, steps, dst: int, src: int) -> np.ndarray:
+    """all_gather's steps where messages are handed over: each chunk arrives as the sender's
+    copy, is stored in `out`, and is given on as it is (step s sends the chunk step s-1
+    received), so a step copies once instead of twice."""
+    held, dt = None, out.dtype  # the chunk received last step = the one we send next
+    for s, (a, b, c, d) in enumerate(steps):
+        if b > a and d > c:
+            if s:
+                got = comm.sendrecv(held, dst, src, shape=(d - c,), dtype=dt, give=True)
+            else:
+                got = comm.sendrecv(out[a:b], dst, src, shape=(d - c,), dtype=dt)
+        else:
+            send = (held if s else out[a:b]) if b > a else None
+            got = exchange(comm, send, dst, src, d - c, dt)
+        out[c:d] = got
+        held = got
     return out
 
 

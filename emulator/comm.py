@@ -105,10 +105,16 @@ class Comm:
         self._record("recv", src, got.nbytes)
         return got
 
-    def sendrecv(self, array, dst: int, src: int, out=None, shape=None, dtype=None):
-        """Send to `dst` and receive from `src` (the building block of rings)."""
+    def sendrecv(self, array, dst: int, src: int, out=None, shape=None, dtype=None, give=False):
+        """Send to `dst` and receive from `src` (the building block of rings). `give=True`: the
+        caller gives `array` away (it never reads or writes it again, and nothing else holds
+        it), so a backend that hands messages over (`hands_over`) may skip the eager copy."""
         self.send(array, dst)
         return self.recv(src, out=out, shape=shape, dtype=dtype)
+
+    # True on a backend where a receive without `out` returns the sent copy itself (no copy)
+    # and sendrecv(give=True) passes the array on as it is: virtual ranks (collectives.ring).
+    hands_over = False
 
     def _channel(self) -> int:
         """-1 for user point-to-point traffic, else the open collective's sequence number in

@@ -1,4 +1,4 @@
-"""One virtual rank's incoming messages: a lock, a condition, and FIFO queues per channel.
+"""One virtual rank's incoming messages: a lock, a bell to sleep on, and FIFO queues per channel.
 
     box[(group id, channel, sender global rank)] -> deque of arrays (oldest first)
     p2p[(group id, -1, sender global rank)] -> deque: point-to-point lanes (channel -1)
@@ -17,14 +17,19 @@ Who touches what (the GIL makes each deque or dict operation atomic): only the o
 and only the owner removes queues (`close`), so the owner reads and pops without the lock.
 A collective's sender appends under the lock (its closed-channel check and the append are one
 step against `close`); a point-to-point sender appends without it (that channel never closes).
-Only the owning rank waits on the condition, so `notify()` wakes exactly the one waiter, and a
-sender notifies only while the owner may sleep (`sleeping`): the owner sets it under the lock
-before its last look at the queue, so a sender that appends after that look sees the flag and
-takes the lock to notify - which it gets only once the owner is inside `cond.wait`. The
-notifier clears the flag under the lock: the owner is woken, and sets it again before its next
-look, so the senders that append until then skip a notify (`Condition.notify` is Python, and
-while a woken owner waits for the GIL, a ring's later messages found it still flagged: 5,600
-notifies for 2,187 sleeps in 500 4-rank all-gathers).
+Only the owning rank sleeps, so the mailbox needs no Condition (whose wait and notify are
+Python, ~130 bytecodes and a new lock per sleep): the owner sleeps by acquiring `bell`, a lock
+held while nobody has rung, and a sender wakes it by releasing the bell. A sender rings only
+while the owner may sleep (`sleeping`): the owner sets it under the lock before its last look
+at the queue, so a sender that appends after that look sees the flag and takes the lock to
+ring. Every ring happens under the lock and only if the bell is held (only the owner takes
+it, outside the lock, so a held bell stays held until that release); a ring that comes before
+the owner's acquire lets the acquire through at once, and one the owner did not need (a wake
+while it was awake) costs its next sleep one more look at the queue. The ringer clears the
+flag under the lock: the owner is woken, and sets it again before its next look, so the
+senders that append until then skip a ring (while a woken owner waits for the GIL, a ring's
+later messages found it still flagged: 5,600 notifies for 2,187 sleeps in 500 4-rank
+all-gathers).
 """
 
 from __future__ import annotations
@@ -39,27 +44,30 @@ MAX_SLEEP = 3600.0  # one wait's longest sleep (Condition.wait rejects an infini
 
 
 class Mailbox:
-    __slots__ = ("box", "closed", "cond", "lock", "p2p", "rank", "sleeping", "world")
+    __slots__ = ("bell", "box", "closed", "lock", "p2p", "rank", "sleeping", "world")
 
     def __init__(self, world, rank: int):
         self.world = world
         self.rank = rank
-        self.lock = threading.Lock()  # `with self.lock` (C) is cheaper than `with self.cond`
-        self.cond = threading.Condition(self.lock)
-        self.sleeping = False  # the owner may be in cond.wait: a sender notifies
+        self.lock = threading.Lock()
+        self.bell = threading.Lock()  # held until rung: the owner sleeps in bell.acquire
+        self.bell.acquire()
+        self.sleeping = False  # the owner may be asleep: a sender rings
         self.box: dict = {}
         self.p2p: dict = {}
         self.closed: dict = {}
 
     def wake(self) -> None:
         with self.lock:
-            self.cond.notify_all()
+            if self.bell.locked():
+                self.bell.release()
 
     def notify(self) -> None:
         """A lock-free sender appended while the owner may sleep: wake it."""
         with self.lock:
-            self.sleeping = False  # woken: later senders need not notify (see the docstring)
-            self.cond.notify()
+            self.sleeping = False  # woken: later senders need not ring (see the docstring)
+            if self.bell.locked():
+                self.bell.release()
 
     # -- the message path ---------------------------------------------------------------------
     def lane(self, key) -> deque:
@@ -89,7 +97,8 @@ class Mailbox:
                     q.append(msg)
                 if self.sleeping:
                     self.sleeping = False
-                    self.cond.notify()
+                    if self.bell.locked():
+                        self.bell.release()
                 return
         call = comm.state.current
         self.world.fail(
@@ -138,7 +147,7 @@ class Mailbox:
 
     # -- waiting ------------------------------------------------------------------------------
     def _wait(self, ready) -> bool:
-        """With `cond` held: sleep until `ready()`, the world's failure, or the deadline.
+        """With `lock` held: sleep until `ready()`, the world's failure, or the deadline.
 
         No periodic wake-ups: a sender's notify, the world's abort, or the deadline ends the
         sleep (4,096 ranks each waking once a second starved the ranks doing the work).
@@ -159,7 +168,12 @@ class Mailbox:
                     deadline, left = _extend(w, deadline)
                     if left <= 0:
                         return False
-                self.cond.wait(min(left, MAX_SLEEP))
+                lock = self.lock
+                lock.release()  # asleep without the lock, as Condition.wait would be
+                try:
+                    self.bell.acquire(True, min(left, MAX_SLEEP))
+                finally:
+                    lock.acquire()
         finally:
             st.waiting = self.sleeping = False
 

@@ -160,7 +160,8 @@ class MPIComm(Comm):
             f"bytes; sender and receiver disagree about the message"
         )
 
-    def sendrecv(self, array, dst: int, src: int, out=None, shape=None, dtype=None):
+    def sendrecv(self, array, dst: int, src: int, out=None, shape=None, dtype=None, give=False):
+        # (`give` changes nothing here: a collective's sendrecv never copies what it sends)
         call = self.state.current
         if call is None:  # user traffic: headers, through send and recv
             return super().sendrecv(array, dst, src, out=out, shape=shape, dtype=dtype)

@@ -8,7 +8,8 @@ raises `RankAborted` (or, for a `CommError`, the same diagnosis) through `raise_
 one flight recorder, not 1,024).
 
 Locking: the world lock guards the failure slot, the group ids and the cross-rank tables
-(`calls`, `objects`) and is never taken while holding a mailbox lock; `done` is the
+(`calls`, `objects`: their users `check_call` and `gather_objects` are VirtualComm's `_check`
+and `allgather_object`) and is never taken while holding a mailbox lock; `done` is the
 spawner's condition (emulator/local.py, emulator/watchdog.py).
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import threading
 
-from .comm import CommError, RankAborted, RankState
+from .comm import CollectiveMismatch, CommError, RankAborted, RankState, mismatch_message
 from .ledger import Ledger
 from .mailbox import Mailbox
 
@@ -97,3 +98,59 @@ class VirtualWorld:
             self.running -= 1
             self.exited[rank] = True
             self.done.notify_all()
+
+
+# VirtualComm's two users of the world's cross-rank tables (`self` is the VirtualComm)
+def check_call(self, call) -> None:
+    """VirtualComm._check: every rank of the group must issue the same call (signature);
+    the first arrival's call is the one the others are compared with."""
+    w = self.world
+    if w.failure is not None:
+        w.raise_if_failed()
+    if not w.check:
+        return
+    key = (self.key, call.seq)
+    me = self.state.rank
+    with w.lock:
+        entry = w.calls.get(key)
+        if entry is None:
+            w.calls[key] = entry = [me, call, 0]
+        entry[2] += 1
+        if entry[2] == self.world_size:
+            del w.calls[key]
+    first_rank, first = entry[0], entry[1]
+    if first is not call and first.signature() != call.signature():
+        exc = CollectiveMismatch(
+            mismatch_message(self.name, (first_rank, first.describe()), (me, call.describe()))
+        )
+        w.abort(me, exc)
+        raise exc
+
+
+def gather_objects(self, obj) -> list:
+    """VirtualComm.allgather_object: every member's `obj`, in group order (uncounted)."""
+    w, st = self.world, self.state
+    n = st.seqs.get(("objects", self.key), 0)
+    st.seqs[("objects", self.key)] = n + 1
+    if w.failure is not None:
+        w.raise_if_failed()
+    with w.lock:
+        objs = w.objects.setdefault((self.key, n), {})
+        objs[self.rank] = obj
+        complete = len(objs) == self.world_size
+        if complete:  # every member holds `objs` already: the table entry can go
+            del w.objects[(self.key, n)]
+    st.progress += 1
+    if complete:  # the last arrival wakes the others: O(p) per gather, not O(p^2)
+        for g in self.ranks:
+            w.boxes[g].wake()
+    else:
+        w.boxes[st.rank].wait_for(
+            lambda: len(objs) == self.world_size,
+            lambda: (
+                f"rank {st.rank} waited {w.timeout:g} s in a control-plane gather of group "
+                f"{self.name!r}; ranks "
+                f"{sorted(set(range(self.world_size)) - set(objs))} never arrived."
+            ),
+        )
+    return [objs[r] for r in range(self.world_size)]

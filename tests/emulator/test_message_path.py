@@ -170,3 +170,48 @@ def test_random_message_sequences_record_exactly_what_the_definition_says():
             assert got == want
 
     check()
+
+
+class _Sub(np.ndarray):
+    """An ndarray subclass: the fast paths leave it to Comm's full path."""
+
+
+@pytest.mark.parametrize(
+    "case", ["even", "uneven", "dtype", "shape", "npint", "noncontig", "subclass", "no_out"]
+)
+def test_a_collectives_sendrecv_gives_what_send_then_recv_gives(case):
+    """VirtualComm.sendrecv's one-frame step (a collective's send and receive into its own
+    buffer) against its definition, send then recv: the same arrays, records and errors."""
+
+    def program(c, fused):
+        r, p = c.rank, c.size
+        dst, src = (r + 1) % p, (r - 1) % p
+        n = (lambda j: 3 + j) if case == "uneven" else (lambda j: 3)
+        x = np.arange(float(n(r))) + 10 * r
+        if case == "dtype" and r == 0:
+            x = x.astype(np.float32)
+        if case == "shape" and r == 0:
+            x = np.arange(4.0)
+        if case == "subclass":
+            x = x.view(_Sub)
+        out = np.empty(2 * n(src))[::2] if case == "noncontig" else np.empty(n(src))
+        kw = {"shape": n(src), "dtype": F8} if case == "no_out" else {"out": out}
+        to = np.int64(dst) if case == "npint" else dst
+        got = []
+        with emulator.scope("t"), c.collective("custom", "ring", np.ones(1)):
+            for _ in range(2):
+                if fused:
+                    y = c.sendrecv(x, to, src, **kw)
+                else:
+                    c.send(x, to)
+                    y = c.recv(src, **kw)
+                got.append((type(y), y.tolist(), y is out))
+        return got, c.ledger.records
+
+    def outcome(fused):
+        try:
+            return emulator.spawn(lambda c: program(c, fused), 4, timeout=10)
+        except Exception as exc:  # noqa: BLE001 - the error is part of the outcome
+            return type(exc).__name__, str(exc)
+
+    assert outcome(True) == outcome(False)
