@@ -108,7 +108,11 @@ class DataAxis(Accumulate):
             buckets = [make_buckets({k: master[k].shape for k in part.names}, part.group.size,
                                     bucket_cap_mb, c) for part in self.parts]  # fmt: skip
             # the master in the buckets' flat layout, AdamW per bucket (parallel/data/replica.py)
-            self.opt = BucketAdamW([lay for b in buckets for lay in b], master, **hyper)
+            # each part's DDP broadcasts its group rank 0's buffers over the others: theirs
+            # start unset instead of holding a copy of the same values first
+            fill = [part.group.rank == 0 for part, b in zip(self.parts, buckets) for _ in b]
+            self.opt = BucketAdamW([lay for b in buckets for lay in b], master, **hyper,
+                                   fill=fill)  # fmt: skip
             self.master = master = self.opt.params
         at = 0  # the part's first buffer in self.opt.flats
         for i, part in enumerate(self.parts):

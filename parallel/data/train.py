@@ -92,7 +92,9 @@ def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microba
             layouts = make_buckets(
                 shapes, comm.size, bucket_cap_mb, compute_dtype(cfg.dtype).itemsize
             )
-            opt = BucketAdamW(layouts, params, **hyper)
+            # DDP's initial broadcast overwrites every rank's buffers but its root's: those
+            # start unset instead of holding a copy of the same init first
+            opt = BucketAdamW(layouts, params, **hyper, fill=comm.size == 1 or comm.rank == 0)
             params = opt.params
             engine = DDP(comm, params, bucket_cap_mb=bucket_cap_mb, dtype=cfg.dtype, mem=mem,
                          layouts=layouts, flats=opt.flats)  # fmt: skip
