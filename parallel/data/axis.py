@@ -257,6 +257,8 @@ class DataAxis(Accumulate):
                 params |= engine.master_params()
                 grads |= engine.full_grads() if engine.step_count else {}
             return {n: params[n] for n in self.master}, grads
+        if isinstance(self.opt, BucketAdamW):  # views of its buffers: no step writes them now
+            return dict(self.master), self.last_grads
         return {n: p.copy() for n, p in self.master.items()}, self.last_grads
 
     def replicas(self) -> tuple[dict, dict]:
