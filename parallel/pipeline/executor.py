@@ -58,12 +58,12 @@ def stage_param_names(cfg, split, s: int, p: int) -> list[str]:
     """The parameter names stage s holds (state_dict order): its chunks' blocks, plus the
     embedding on stage 0 and the final norm and head on the stage holding u = U-1."""
     U = len(split)
-    mine = {i for u in range(s, U, p) for i in split[u]}
-    owned = (lambda n: n in EMBED and s == 0, lambda n: n in HEAD and (U - 1) % p == s)
+    mine = {str(i) for u in range(s, U, p) for i in split[u]}
+    ends = (EMBED if s == 0 else ()) + (HEAD if (U - 1) % p == s else ())
     return [
         n
         for n in param_shapes(cfg)
-        if (n.startswith("blocks.") and int(n.split(".")[1]) in mine) or any(f(n) for f in owned)
+        if (n.startswith("blocks.") and n.split(".", 2)[1] in mine) or n in ends
     ]
 
 
