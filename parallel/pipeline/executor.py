@@ -197,7 +197,7 @@ def run_schedule(pp, sched, split, params, mbs, cfg, *, ce_denom, aux_scales, gr
                 with ctx.scope("embed", j, "fwd"):
                     x, c["embed"] = ctx.embed_forward(p_, tok)
                 hooks.post_forward("embed")
-                _alloc(io_mem, f"mb{j}.embed", c["embed"], p_)
+                _alloc(io_mem, f"mb{j}.embed", c["embed"], p_, EMBED)
             else:
                 with scope(f"pp/act/mb{j}"):
                     x = links.recv(("act", j, u), (u - 1) % p)
@@ -219,7 +219,7 @@ def run_schedule(pp, sched, split, params, mbs, cfg, *, ce_denom, aux_scales, gr
                 with ctx.scope("head", j, "fwd"):
                     ce, c["head"] = ctx.head_forward(p_, x, tgt, cfg, denom=ce_denom)
                 hooks.post_forward("head")
-                _alloc(io_mem, f"mb{j}.head", c["head"], p_)
+                _alloc(io_mem, f"mb{j}.head", c["head"], p_, HEAD)
                 loss += float(ce)
                 c["ce"] = float(ce)
             else:
@@ -292,9 +292,13 @@ def _finish_embed(deferred, hooks, bwd_cache, ctx, mem, j):
             hooks.post_backward("embed", g)
 
 
-def _alloc(mem, name, cache, params):
+def _alloc(mem, name, cache, params, names):
+    """Charge a layer's cache, the layer's own parameters (``names``, the ones its forward
+    reads) not counted: excluding the stage's other tensors too would change nothing but the
+    cost (saved_nbytes walks every excluded array's base chain)."""
     if mem is not None:
-        mem.alloc("activations", name, saved_nbytes(cache, exclude=params.values()))
+        own = [params[n] for n in names if n in params]
+        mem.alloc("activations", name, saved_nbytes(cache, exclude=own))
 
 
 def _free(mem, name):
