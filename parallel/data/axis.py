@@ -35,9 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-import numpy as np
-
-from emulator import affinity, scope
+from emulator import scope
 from emulator.model import to_compute
 from emulator.optim import AdamW
 from emulator.precision import compute_dtype
@@ -46,6 +44,7 @@ from parallel.data.common import backward_order
 from parallel.data.ddp import DDP
 from parallel.data.flat import make_buckets
 from parallel.data.replica import BucketAdamW
+from parallel.data.replica_check import replica_mismatch
 from parallel.data.zero import ZeroOptimizer
 from parallel.pipeline.executor import Accumulate
 
@@ -102,13 +101,18 @@ class DataAxis(Accumulate):
         self.ddps, self.engines, self.units = [], [], []
         self.order: list = []
         self.last_grads: dict = {}  # no step yet: no gradient
+        self.part_flats = self.last_flats = None  # per part: the buffers of master / last_grads
         n, c = sum(p.size for p in master.values()), compute_dtype(cfg.dtype).itemsize
         buckets = None  # zero 0, every part over a group > 1: [layouts per part], for AdamW
         if zero == 0 and all(part.group.size > 1 for part in self.parts):
             buckets = [make_buckets({k: master[k].shape for k in part.names}, part.group.size,
                                     bucket_cap_mb, c) for part in self.parts]  # fmt: skip
             # the master in the buckets' flat layout, AdamW per bucket (parallel/data/replica.py)
-            self.opt = BucketAdamW([lay for b in buckets for lay in b], master, **hyper)
+            # each part's DDP broadcasts its group rank 0's buffers over the others: theirs
+            # start unset instead of holding a copy of the same values first
+            fill = [part.group.rank == 0 for part, b in zip(self.parts, buckets) for _ in b]
+            self.opt = BucketAdamW([lay for b in buckets for lay in b], master, **hyper,
+                                   fill=fill)  # fmt: skip
             self.master = master = self.opt.params
         at = 0  # the part's first buffer in self.opt.flats
         for i, part in enumerate(self.parts):
@@ -116,8 +120,9 @@ class DataAxis(Accumulate):
             lab = f"{part.label}." if part.label else ""
             if buckets is not None:
                 lays, at = buckets[i], at + len(buckets[i])
+                self.part_flats = (self.part_flats or []) + [self.opt.flats[at - len(lays) : at]]
                 self.ddps.append(DDP(part.group, mine, label=lab, mem=mem, dtype=cfg.dtype,
-                                     layouts=lays, flats=self.opt.flats[at - len(lays) : at]))  # fmt: skip
+                                     layouts=lays, flats=self.part_flats[-1]))  # fmt: skip
                 continue
             if zero == 0:  # a group of one: no DDP, its local gradient buffer
                 one = part.group.size == 1
@@ -169,6 +174,7 @@ class DataAxis(Accumulate):
             return norm
         grads = {n: self.grads[n] for n in self.master}  # parameter order
         flats, bucketed = [], isinstance(self.opt, BucketAdamW)  # the DDPs' summed buckets
+        per_part = []
         for part, ddp in zip(self.parts, self.ddps):
             if ddp is None:
                 continue
@@ -177,7 +183,8 @@ class DataAxis(Accumulate):
                     ddp.grad_ready(n, grads[n], where="step")
             summed = ddp.finish()  # views of the buckets zero_grad lets go of
             grads |= summed if bucketed else {n: g.copy() for n, g in summed.items()}
-            flats += ddp.flats()
+            per_part.append(ddp.flats())
+            flats += per_part[-1]
             ddp.zero_grad()
         # summed (replicated) over each part's group after DDP: the norm reduces over the
         # other axes only (weights count a replica once)
@@ -189,6 +196,7 @@ class DataAxis(Accumulate):
                                       weights=self.weights, tag="dp/clip")  # fmt: skip
         # the unclipped gradients for the check: the buckets themselves, copied if clipped
         self.last_grads = grads if coef >= 1.0 else {n: g.copy() for n, g in grads.items()}
+        self.last_flats = per_part if coef >= 1.0 else None  # clipped: not last_grads' buffers
         scale_(flats, coef)  # elementwise: each tensor's bits; the padding stays zero
         self.opt.step(flats)
         return norm
@@ -253,6 +261,8 @@ class DataAxis(Accumulate):
                 params |= engine.master_params()
                 grads |= engine.full_grads() if engine.step_count else {}
             return {n: params[n] for n in self.master}, grads
+        if isinstance(self.opt, BucketAdamW):  # views of its buffers: no step writes them now
+            return dict(self.master), self.last_grads
         return {n: p.copy() for n, p in self.master.items()}, self.last_grads
 
     def replicas(self) -> tuple[dict, dict]:
@@ -266,29 +276,15 @@ class DataAxis(Accumulate):
     def replica_mismatch(self) -> list[str]:
         """ "param|grad <name> over <group>" for every replicated tensor whose copies on the
         ranks of its part's group are not bitwise equal (uncounted; collective over each
-        part's group). Every copy comes from the same summed gradient (a ring all-reduce or
-        all-gather hands every rank the same bits) and the same AdamW, so any difference is a
-        rank that skipped, repeated or corrupted an update. On virtual ranks
-        (``shares_memory``) group rank i compares the tensors i, i + R, ... and the findings
-        are gathered (uncounted): the group compares each tensor once, not R times."""
-        bad, (params, grads) = [], self.replicas()
-        for part in self.parts:
-            mine = [{n: d[n] for n in part.names if n in d} for d in (params, grads)]
-            group = part.group
-            every = group.allgather_object(mine)
-            at, R = affinity.share(group)
-            where, found = part.label or "dp", []
-            for i, what in enumerate(("param", "grad")):
-                for j, (n, x) in enumerate(every[0][i].items()):
-                    if j % R != at:
-                        continue
-                    diff = [r for r, e in enumerate(every)
-                            if e[i][n] is not x and not np.array_equal(x, e[i][n])]  # fmt: skip
-                    if diff:
-                        label = f"{what} {n} over {where} (group ranks {diff} differ from 0)"
-                        found.append((i, j, label))
-            bad += affinity.merge_found(group, found, R)
-        return bad
+        part's group): parallel/data/replica_check.py, the buffers first where the tensors
+        are views of them (DDP with BucketAdamW; the gradients only while unclipped)."""
+        params, grads = self.replicas()
+        flats = None
+        if self.zero == 0 and self.part_flats is not None:
+            grad_flats = self.last_flats or [None] * len(self.parts)
+            flats = [None if g is None and grads else (p, g or [])
+                     for p, g in zip(self.part_flats, grad_flats)]  # fmt: skip
+        return replica_mismatch(self.parts, params, grads, flats)
 
     def close(self) -> None:
         for engine in self.engines:

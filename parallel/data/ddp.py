@@ -103,8 +103,10 @@ class DDP:
             flat = self.acc.flats[lay.index]
             with scope(f"dp/grads/bucket{lay.index}@{where}"):
                 # ring, never "auto": the tree would break the 2 (D-1)/D volume and the overlap
-                flat[...] = all_reduce(self.comm, flat, op="sum", algorithm="ring")
-            self.reduced[lay.index] = flat
+                flat = all_reduce(self.comm, flat, op="sum", algorithm="ring")
+            # the sum is a new array of this rank's own (the ring gathers into a fresh buffer):
+            # it becomes the bucket's buffer instead of being copied back into the old one
+            self.acc.flats[lay.index] = self.reduced[lay.index] = flat
             self.events.append((lay.index, where))
 
     def finish(self) -> dict:

@@ -56,11 +56,31 @@ class FlatLayout:
     def slot(self, name: str) -> slice:
         return self.slots[name]
 
-    def flatten(self, arrays: dict, dtype) -> np.ndarray:
-        """(padded,) buffer holding arrays[name] for every name, zeros in the padding."""
-        flat = np.zeros(self.padded, dtype=dtype)
-        for n in self.names:
-            flat[self.slot(n)] = np.asarray(arrays[n]).reshape(-1)
+    def flatten(self, arrays: dict, dtype, part: slice | None = None) -> np.ndarray:
+        """(padded,) buffer holding arrays[name] for every name, zeros in the padding (cast as
+        an assignment casts); ``part``: only the elements [part.start, part.stop) of it (a
+        rank's owned slice), built from the pieces of the arrays that fall there."""
+        lo, hi = (0, self.padded) if part is None else (part.start, part.stop)
+        pieces = []
+        for n, o, shape in zip(self.names, self.offsets, self.shapes):
+            size = math.prod(shape)
+            if o < hi and o + size > lo:
+                a = np.ravel(arrays[n])
+                if a.size != size:
+                    raise ValueError(f"flatten: {n!r} has {a.size} elements, its slot {size}")
+                pieces.append(a if lo <= o and o + size <= hi else
+                              a[max(lo - o, 0) : min(hi - o, size)])  # fmt: skip
+        if hi > max(lo, self.numel):
+            pieces.append(np.zeros(hi - max(lo, self.numel), dtype))
+        if not pieces:
+            return np.zeros(hi - lo, dtype)
+        return np.concatenate(pieces, dtype=dtype, casting="unsafe")
+
+    def blank(self, dtype) -> np.ndarray:
+        """(padded,) buffer whose real elements are unset (np.empty) and padding zero, for a
+        caller that writes every real element next."""
+        flat = np.empty(self.padded, dtype=dtype)
+        flat[self.numel :] = 0
         return flat
 
     def views(self, flat: np.ndarray) -> dict:

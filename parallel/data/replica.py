@@ -25,12 +25,18 @@ class BucketAdamW:
     """AdamW (emulator.optim.AdamW's semantics and state) over flat buffers, one per layout."""
 
     def __init__(self, layouts: list, params: dict, *, lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
-                 weight_decay=0.0):  # fmt: skip
+                 weight_decay=0.0, fill=True):  # fmt: skip
+        """``fill``: per layout (or one bool for all) whether its buffer takes ``params``'
+        values; False leaves its real elements unset (the padding zero) for a caller that
+        overwrites them next - DDP's initial broadcast on the ranks other than its root."""
         check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, where="AdamW")
         self.hyper = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         dtype = next(iter(params.values())).dtype  # the master dtype (DDP: one for all)
         self.layouts = layouts
-        self.flats = [lay.flatten(params, dtype) for lay in layouts]  # this rank's own copy
+        fill = [fill] * len(layouts) if isinstance(fill, bool) else list(fill)
+        # this rank's own copy
+        self.flats = [lay.flatten(params, dtype) if f else lay.blank(dtype)
+                      for lay, f in zip(layouts, fill, strict=True)]  # fmt: skip
         self.m_flats = [np.zeros(lay.padded, dtype) for lay in layouts]
         self.v_flats = [np.zeros(lay.padded, dtype) for lay in layouts]
         order = list(params)

@@ -92,7 +92,9 @@ def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microba
             layouts = make_buckets(
                 shapes, comm.size, bucket_cap_mb, compute_dtype(cfg.dtype).itemsize
             )
-            opt = BucketAdamW(layouts, params, **hyper)
+            # DDP's initial broadcast overwrites every rank's buffers but its root's: those
+            # start unset instead of holding a copy of the same init first
+            opt = BucketAdamW(layouts, params, **hyper, fill=comm.size == 1 or comm.rank == 0)
             params = opt.params
             engine = DDP(comm, params, bucket_cap_mb=bucket_cap_mb, dtype=cfg.dtype, mem=mem,
                          layouts=layouts, flats=opt.flats)  # fmt: skip
@@ -112,8 +114,11 @@ def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microba
             opt = None
         try:
             run = DPRun(stage, [], [], {}, {}, {}, [], engine.layouts, {}, [], [])
-            for step in range(steps):
-                _step(comm, cfg, engine, opt, params, run, step, batches, microbatches, groups_fn,
+            for step in range(steps):  # step 0's batch is the one drawn above
+                batch = (
+                    first if step == 0 else batches(step) if callable(batches) else batches[step]
+                )
+                _step(comm, cfg, engine, opt, params, run, step, batch, microbatches, groups_fn,
                       max_norm, reshard_after_forward, prefetch, recompute)  # fmt: skip
             if stage == "ddp":
                 run.params = dict(params)  # the replica's buffers: nothing writes them now
@@ -129,12 +134,12 @@ def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microba
                 mem.free(cat, name)
 
 
-def _step(comm, cfg, engine, opt, params, run, step, batches, k, groups_fn, max_norm,
+def _step(comm, cfg, engine, opt, params, run, step, batch, k, groups_fn, max_norm,
           reshard_after_forward, prefetch, recompute) -> None:  # fmt: skip
-    """One optimizer step: k micro-batches, the gradient sync, clip and AdamW; run += figures."""
+    """One optimizer step on ``batch`` (tokens, targets): k micro-batches, the gradient sync,
+    clip and AdamW; run += figures."""
     stage, D, r, mem = run.stage, comm.size, comm.rank, comm.memory
-    tokens, targets = batches(step) if callable(batches) else batches[step]
-    tokens, targets = check_inputs(tokens, targets, cfg)
+    tokens, targets = check_inputs(*batch, cfg)
     check_layout(stage, D, tokens.shape[0], k)
     mbs = split_microbatches(*shard_batch(tokens, targets, r, D), k)
     b, S = tokens.shape[0] // (D * k), tokens.shape[1]

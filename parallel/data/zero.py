@@ -67,19 +67,19 @@ class ZeroOptimizer:
         self.wshard = {}
         for lay in units:
             i, own = lay.index, lay.owned(r)
-            full = lay.flatten(local_params, self.mdt)  # (padded,) master dtype
             if self.stage < 3:  # full compute copy; float64: the owned master IS a view of it
+                full = lay.flatten(local_params, self.mdt)  # (padded,) master dtype
                 self.full[i] = down(full, self.cdt) if self.mixed else full
                 self.master[i] = full[own].copy() if self.mixed else full[own]
-            else:
-                self.master[i] = full[own].copy()
+            else:  # the owned slice only: (shard,) master dtype
+                self.master[i] = lay.flatten(local_params, self.mdt, own)
                 self.pshard[i] = down(self.master[i], self.cdt) if self.mixed else self.master[i]
             self.m[i], self.v[i] = np.zeros(lay.shard, self.mdt), np.zeros(lay.shard, self.mdt)
             self.gshard[i] = np.zeros(lay.shard, self.cdt)
             if norm_weights:
                 w = lay.flatten({n: np.full(s, norm_weights.get(n, 1.0)) for n, s in
-                                 zip(lay.names, lay.shapes)}, np.float64)  # fmt: skip
-                self.wshard[i] = w[own]
+                                 zip(lay.names, lay.shapes)}, np.float64, own)  # fmt: skip
+                self.wshard[i] = w
         self.params = {}
         for lay in units if self.stage < 3 else ():
             self.params.update(lay.views(self.full[lay.index]))

@@ -58,12 +58,12 @@ def stage_param_names(cfg, split, s: int, p: int) -> list[str]:
     """The parameter names stage s holds (state_dict order): its chunks' blocks, plus the
     embedding on stage 0 and the final norm and head on the stage holding u = U-1."""
     U = len(split)
-    mine = {i for u in range(s, U, p) for i in split[u]}
-    owned = (lambda n: n in EMBED and s == 0, lambda n: n in HEAD and (U - 1) % p == s)
+    mine = {str(i) for u in range(s, U, p) for i in split[u]}
+    ends = (EMBED if s == 0 else ()) + (HEAD if (U - 1) % p == s else ())
     return [
         n
         for n in param_shapes(cfg)
-        if (n.startswith("blocks.") and int(n.split(".")[1]) in mine) or any(f(n) for f in owned)
+        if (n.startswith("blocks.") and n.split(".", 2)[1] in mine) or n in ends
     ]
 
 
@@ -197,7 +197,7 @@ def run_schedule(pp, sched, split, params, mbs, cfg, *, ce_denom, aux_scales, gr
                 with ctx.scope("embed", j, "fwd"):
                     x, c["embed"] = ctx.embed_forward(p_, tok)
                 hooks.post_forward("embed")
-                _alloc(io_mem, f"mb{j}.embed", c["embed"], p_)
+                _alloc(io_mem, f"mb{j}.embed", c["embed"], p_, EMBED)
             else:
                 with scope(f"pp/act/mb{j}"):
                     x = links.recv(("act", j, u), (u - 1) % p)
@@ -219,7 +219,7 @@ def run_schedule(pp, sched, split, params, mbs, cfg, *, ce_denom, aux_scales, gr
                 with ctx.scope("head", j, "fwd"):
                     ce, c["head"] = ctx.head_forward(p_, x, tgt, cfg, denom=ce_denom)
                 hooks.post_forward("head")
-                _alloc(io_mem, f"mb{j}.head", c["head"], p_)
+                _alloc(io_mem, f"mb{j}.head", c["head"], p_, HEAD)
                 loss += float(ce)
                 c["ce"] = float(ce)
             else:
@@ -292,9 +292,13 @@ def _finish_embed(deferred, hooks, bwd_cache, ctx, mem, j):
             hooks.post_backward("embed", g)
 
 
-def _alloc(mem, name, cache, params):
+def _alloc(mem, name, cache, params, names):
+    """Charge a layer's cache, the layer's own parameters (``names``, the ones its forward
+    reads) not counted: excluding the stage's other tensors too would change nothing but the
+    cost (saved_nbytes walks every excluded array's base chain)."""
     if mem is not None:
-        mem.alloc("activations", name, saved_nbytes(cache, exclude=params.values()))
+        own = [params[n] for n in names if n in params]
+        mem.alloc("activations", name, saved_nbytes(cache, exclude=own))
 
 
 def _free(mem, name):

@@ -1,6 +1,7 @@
 """parallel/data/replica.py: AdamW per DDP bucket is emulator.optim.AdamW, bitwise - the same
 parameters and moments, in parameter order, with several buckets, padding, weight decay and bf16
-gradients - and the padding stays zero."""
+gradients - and the padding stays zero; FlatLayout.flatten of a part; the buffers left unset
+for DDP's initial broadcast."""
 
 import ml_dtypes
 import numpy as np
@@ -47,3 +48,62 @@ def test_views_write_through_and_counts_are_checked():
     assert params["w"][0, 0] == 1.0  # a copy, not the caller's arrays
     with pytest.raises(ValueError, match="1 buckets"):
         flat.step([])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, ml_dtypes.bfloat16])
+def test_flatten_of_a_part_is_that_slice_of_the_whole(dtype):
+    """FlatLayout.flatten(part=): a rank's owned slice (ZeRO-3 builds only that) or any range is
+    the same elements, casts and zero padding as the whole buffer's slice."""
+    rng = np.random.default_rng(1)
+    arrays = {n: rng.standard_normal(s) for n, s in SHAPES.items()}
+    for D in (1, 3, 4, 7):
+        (lay,) = make_buckets(SHAPES, D, 25.0, 8)
+        whole = np.zeros(lay.padded, dtype)  # the rule, one slice assignment per tensor
+        for n in lay.names:
+            whole[lay.slot(n)] = arrays[n].reshape(-1)
+        assert lay.flatten(arrays, dtype).tobytes() == whole.tobytes()
+        cuts = [lay.owned(r) for r in range(D)] + [slice(a, b) for a in range(0, lay.padded, 17)
+                                                   for b in range(a + 1, lay.padded + 1, 23)]  # fmt: skip
+        for part in cuts:
+            got = lay.flatten(arrays, dtype, part)
+            assert got.dtype == dtype and got.tobytes() == whole[part].tobytes(), (D, part)
+    with pytest.raises(ValueError, match="'w' has 8 elements"):
+        lay.flatten(arrays | {"w": np.ones(8)}, dtype)
+
+
+class _PoisonedEmpty:
+    """numpy, but np.empty hands out NaN: memory a buffer must not be read before written."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def empty(shape, dtype=float):
+        return np.full(shape, np.nan, dtype)
+
+
+def test_unfilled_buffers_are_the_broadcast_roots(monkeypatch):
+    """fill=False leaves a rank's buffers for DDP's initial broadcast: afterwards every rank's
+    buffers are its root's, bitwise, the padding zero - whatever the rank's own values were."""
+    import emulator
+    from parallel.data import flat as flat_module
+    from parallel.data.ddp import DDP
+
+    monkeypatch.setattr(flat_module, "np", _PoisonedEmpty())
+    layouts = make_buckets(SHAPES, 3, 600 / 2**20, 8)
+    assert len(layouts) > 1 and any(lay.padding for lay in layouts)
+
+    def rank(comm):
+        rng = np.random.default_rng(comm.rank)  # a different init on every rank
+        params = {n: rng.standard_normal(s) for n, s in SHAPES.items()}
+        opt = BucketAdamW(layouts, params, fill=comm.rank == 0)
+        DDP(comm, opt.params, layouts=layouts, flats=opt.flats)
+        return [f.copy() for f in opt.flats]
+
+    every = emulator.spawn(rank, 3, timeout=60)
+    rng = np.random.default_rng(0)
+    root = {n: rng.standard_normal(s) for n, s in SHAPES.items()}
+    for lay, *flats in zip(layouts, *every):
+        want = lay.flatten(root, np.float64)
+        for f in flats:
+            assert f.tobytes() == want.tobytes() and not f[lay.numel :].any()
