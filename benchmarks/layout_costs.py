@@ -44,7 +44,8 @@ CATEGORIES = [  # (name, predicate on (file, function)); the first that matches 
                                       "mismatch_message")),
     ("message path (emulator/, collectives/)", lambda f, n: "/collectives/" in f
      or f.endswith(("emulator/local.py", "emulator/world.py", "emulator/comm.py", "emulator/mesh.py",
-                    "emulator/mailbox.py", "emulator/watchdog.py"))),
+                    "emulator/mailbox.py", "emulator/watchdog.py", "emulator/message.py",
+                    "emulator/mpi_call.py"))),
     ("optimizer + clip (optim.py, clip.py)", lambda f, n: f.endswith(("optim.py", "clip.py"))),
     ("parameter init (config.py)", lambda f, n: f.endswith("emulator/config.py")),
     ("model NumPy (ops, block, model)", lambda f, n: f.endswith((
