@@ -176,8 +176,11 @@ def ring_backward(do, cache):
     C = comm.size
     qh, doh = heads(q, A), heads(do, A)
     delta = (doh * heads(cache["o"], A)).sum(axis=-1)  # (B, A, S_local) = rowsum(dO * O)
-    dq = np.zeros_like(qh)
-    own_dk, own_dv = np.zeros_like(qh), np.zeros_like(qh)  # this rank's block, step 0
+    # the accumulators C-contiguous (B, A, S_local, D): the layout of the matmuls' outputs
+    # added into them and of the ring's messages (zeros_like(qh) takes q's (B, S, A, D) memory
+    # order: strided adds, and _pass_on's copy of each travelling one before it is sent)
+    dq = np.zeros(qh.shape, qh.dtype)
+    own_dk, own_dv = np.zeros(qh.shape, qh.dtype), np.zeros(qh.shape, qh.dtype)  # step 0
     dkb = dvb = None  # the travelling accumulators of the block held now
     kb, vb = k, v
     with comm.collective("ring_attention", "ring", q, extra=f"backward, heads={A}"):
@@ -187,7 +190,7 @@ def ring_backward(do, cache):
                 if t >= 2:
                     dkb, dvb = _pass_on(comm, (dkb, dvb))
                 else:
-                    dkb, dvb = np.zeros_like(qh), np.zeros_like(qh)
+                    dkb, dvb = np.zeros(qh.shape, qh.dtype), np.zeros(qh.shape, qh.dtype)
             if st.n_rows == 0:
                 continue
             rs, cs = st.rows, st.cols

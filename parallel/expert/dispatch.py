@@ -21,6 +21,8 @@ Byte counts: parallel/expert/cost.py.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from collectives.api import all_to_all, all_to_allv
@@ -44,48 +46,52 @@ def expert_counts(n: np.ndarray) -> np.ndarray:
 
 
 def pack(bufs, n: np.ndarray, P: int) -> list[np.ndarray]:
-    """bufs: G arrays (E, C_g, H) -> P arrays (rows_d, H), rank d's experts' rows, expert-major."""
-    E, H = n.shape[1], bufs[0].shape[2]
-    El = E // P
+    """bufs: G arrays (E, C_g, H) -> P arrays (rows_d, H), rank d's experts' rows, expert-major
+    (a lone part - one local expert, one group - is its buffer's rows themselves, a view: the
+    exchange copies what it sends)."""
+    E = n.shape[1]
+    El, rows = E // P, n.tolist()
     out = []
     for d in range(P):
-        parts = [
-            bufs[g][e, : n[g, e]] for e in range(d * El, (d + 1) * El) for g in range(len(bufs))
-        ]
-        out.append(np.concatenate(parts, axis=0) if parts else np.empty((0, H), bufs[0].dtype))
+        parts = [bufs[g][e, : rows[g][e]] for e in range(d * El, (d + 1) * El)
+                 for g in range(len(bufs))]  # fmt: skip
+        out.append(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
     return out
 
 
 def unpack(blocks, n: np.ndarray, P: int, shapes, dtype) -> list[np.ndarray]:
     """The inverse of pack: P arrays (rows_d, H) -> G zero-filled buffers (E, C_g, H)."""
     E = n.shape[1]
-    El = E // P
+    El, rows = E // P, n.tolist()
     bufs = [np.zeros(s, dtype) for s in shapes]
     for d in range(P):
         off = 0
         for e in range(d * El, (d + 1) * El):
             for g in range(len(bufs)):
-                bufs[g][e, : n[g, e]] = blocks[d][off : off + n[g, e]]
-                off += n[g, e]
+                k = rows[g][e]
+                bufs[g][e, :k] = blocks[d][off : off + k]
+                off += k
     return bufs
 
 
 def by_expert(recv, counts: np.ndarray) -> list[np.ndarray]:
     """recv: P arrays from the sources; counts (P, El) -> El arrays (rows_e, H), sources in order."""
     P, El = counts.shape
-    offs = np.concatenate([np.zeros((P, 1), np.int64), np.cumsum(counts, axis=1)], axis=1)
+    if El == 1:  # each source's rows are all for the one local expert
+        return [np.concatenate(recv)]
+    offs = [[0, *itertools.accumulate(row)] for row in counts.tolist()]  # (P, El + 1)
     return [
-        np.concatenate([recv[s][offs[s, e] : offs[s, e + 1]] for s in range(P)]) for e in range(El)
+        np.concatenate([recv[s][offs[s][e] : offs[s][e + 1]] for s in range(P)]) for e in range(El)
     ]
 
 
 def to_sources(rows, counts: np.ndarray) -> list[np.ndarray]:
-    """The inverse of by_expert: El arrays (rows_e, H) -> P arrays (rows_s, H) for the sources."""
+    """The inverse of by_expert: El arrays (rows_e, H) -> P arrays (rows_s, H) for the sources
+    (one local expert: its rows' slices themselves, views: the exchange copies what it sends)."""
     P, El = counts.shape
-    offs = np.concatenate([np.zeros((1, El), np.int64), np.cumsum(counts, axis=0)], axis=0)
-    return [
-        np.concatenate([rows[e][offs[s, e] : offs[s + 1, e]] for e in range(El)]) for s in range(P)
-    ]
+    offs = [[0, *itertools.accumulate(col)] for col in counts.T.tolist()]  # (El, P + 1)
+    parts = [[rows[e][offs[e][s] : offs[e][s + 1]] for e in range(El)] for s in range(P)]
+    return [p[0] if El == 1 else np.concatenate(p) for p in parts]
 
 
 def announce(ep, counts: np.ndarray, sends) -> np.ndarray:

@@ -146,6 +146,7 @@ def ep_moe_backward(dy, cache, daux):
         du_r, dr = route_backward(dgates, daux / len(c["routes"]), r)
         dm[idx] = down(up(dispatch_backward(dbuf, r)) + up(du_r), dtype)
         drouter += up(dr)
-    out = {k: np.concatenate(grads[k], axis=0) for k in EXPERT_NAMES}
+    # (El, ...) each; one local expert: its gradient as experts_backward returned it (fresh)
+    out = {k: g[0] if len(g) == 1 else np.concatenate(g, axis=0) for k, g in grads.items()}
     out["router"] = down(drouter, mp["router"].dtype)
     return dm.reshape(shape), {k: out[k] for k in mp}

@@ -12,7 +12,7 @@ import emulator
 from emulator.ops import attention_backward, attention_forward
 from parallel.context import layout
 from parallel.context.attention import cache_nbytes, cp_attention_backward, cp_attention_forward
-from parallel.context.ring import plan
+from parallel.context.ring import _row_max, plan
 
 
 def check_plan(tab):
@@ -105,3 +105,19 @@ def test_ring_gapped_table(keep):
     st1 = plan(tab, 0).steps[1]
     assert not isinstance(st1.rows, slice) and list(st1.rows) == [0, 2]
     ring_vs_reference(tab, 2, 2, 3, keep)
+
+
+@pytest.mark.parametrize("n", list(range(1, 20)))
+def test_row_max_is_max(n):
+    """The ring's short-row maxima (one np.maximum per key column up to 16 keys, NumPy's
+    reduction beyond) equal s.max(axis=-1) for every row length, with -inf (masked keys) and a
+    NaN propagating, as C-contiguous arrays (they become the running maxima)."""
+    rng = np.random.default_rng(n)
+    s = rng.standard_normal((3, 2, 5, n))
+    s[rng.random(s.shape) < 0.3] = -np.inf
+    s[..., n // 2] = rng.standard_normal((3, 2, 5))  # every row sees a key
+    s[0, 1, 2, n - 1] = np.nan
+    got = _row_max(s)
+    assert got.shape == s.shape[:-1] and got.flags.c_contiguous
+    assert np.array_equal(got, s.max(axis=-1), equal_nan=True)
+    assert np.isnan(got[0, 1, 2]) and np.isfinite(np.delete(got.ravel(), 1 * 5 + 2)).all()
