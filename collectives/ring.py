@@ -70,18 +70,23 @@ def _reduce_scatter_handed(comm, x: np.ndarray, steps, dst: int, src: int, op: s
     """reduce_scatter's steps where messages are handed over: each partial arrives as the
     sender's copy, is reduced in place, and is given to the next rank (no buffers, no copies
     but step 0's of our own input)."""
-    acc, dt = None, x.dtype  # the partial received last step: it is the one we forward next
+    acc = None  # the partial received last step: it is the one we forward next
     for s, (a, b, c, d) in enumerate(steps):
-        if b > a and d > c:
-            if s:
-                got = comm.sendrecv(acc, dst, src, shape=(d - c,), dtype=dt, give=True)
-            else:
-                got = comm.sendrecv(x[a:b], dst, src, shape=(d - c,), dtype=dt)
-        else:
-            send = (acc if s else x[a:b]) if b > a else None
-            got = exchange(comm, send, dst, src, d - c, dt)
+        got = _handed_step(comm, s, (a, b, c, d), x[a:b], acc, dst, src, x.dtype)
         acc = combine(op, got, x[c:d])  # (counts[cr],) we own `got`
     return acc
+
+
+def _handed_step(comm, s: int, step, first: np.ndarray, held, dst: int, src: int, dt):
+    """One ring step where messages are handed over: send ``first`` (step 0: our own data,
+    copied) or give on ``held`` (what the last step received: no copy), receive the next."""
+    a, b, c, d = step
+    if b > a and d > c:
+        if s:
+            return comm.sendrecv(held, dst, src, shape=(d - c,), dtype=dt, give=True)
+        return comm.sendrecv(first, dst, src, shape=(d - c,), dtype=dt)
+    send = (held if s else first) if b > a else None
+    return exchange(comm, send, dst, src, d - c, dt)
 
 
 def all_gather(comm, mine: np.ndarray, counts) -> np.ndarray:
@@ -107,18 +112,10 @@ def _all_gather_handed(comm, out: np.ndarray, steps, dst: int, src: int) -> np.n
     """all_gather's steps where messages are handed over: each chunk arrives as the sender's
     copy, is stored in `out`, and is given on as it is (step s sends the chunk step s-1
     received), so a step copies once instead of twice."""
-    held, dt = None, out.dtype  # the chunk received last step = the one we send next
+    held = None  # the chunk received last step = the one we send next
     for s, (a, b, c, d) in enumerate(steps):
-        if b > a and d > c:
-            if s:
-                got = comm.sendrecv(held, dst, src, shape=(d - c,), dtype=dt, give=True)
-            else:
-                got = comm.sendrecv(out[a:b], dst, src, shape=(d - c,), dtype=dt)
-        else:
-            send = (held if s else out[a:b]) if b > a else None
-            got = exchange(comm, send, dst, src, d - c, dt)
-        out[c:d] = got
-        held = got
+        held = _handed_step(comm, s, (a, b, c, d), out[a:b], held, dst, src, out.dtype)
+        out[c:d] = held
     return out
 
 
