@@ -156,6 +156,8 @@ class VirtualComm(Comm):
             w.raise_if_failed()
         s = ranks[src]
         msg = w.boxes[self.state.rank].get(self, seq, s)
+        # recv's last lines, inlined as recv inlines them (a shared method measured +2.9%
+        # instructions per streamed message, callgrind): change both together
         if msg.shape != want or msg.dtype != wdt:  # want: a tuple (comm._expected)
             self._mismatch(s, want, wdt, msg)
         if out is not None:
