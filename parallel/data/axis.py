@@ -6,7 +6,8 @@ The executor (parallel/pipeline/executor.py) runs every layer as
 and this class answers those calls (docs/CONTRACTS.md, "driver"):
   zero 0 (DDP)  every rank holds the local compute parameters; gradients are summed over the
                 micro-batches locally (the reference's order) and handed to DDP's buckets once,
-                at the end of the step (tag dp/grads/bucket<i>@step), then AdamW; dp = 1: AdamW
+                at the end of the step (tag dp/grads/bucket<i>@step), then AdamW per bucket
+                (parallel/data/replica.py); dp = 1: the same, on local flat gradient buffers
   zero 1        the same local sum, then ZeroOptimizer.step: reduce-scatter, AdamW on the
                 owned slice, all-gather (parallel/data/zero.py)
   zero 2        one FSDP-style unit per layer (embed, each block, head: `layer_units`); a
@@ -37,12 +38,11 @@ import dataclasses
 
 from emulator import scope
 from emulator.model import to_compute
-from emulator.optim import AdamW
 from emulator.precision import compute_dtype
-from parallel.clip import clip_and_step, global_grad_norm, scale_
+from parallel.clip import global_grad_norm, scale_
 from parallel.data.common import backward_order
 from parallel.data.ddp import DDP
-from parallel.data.flat import make_buckets
+from parallel.data.flat import FlatGrads, make_buckets
 from parallel.data.replica import BucketAdamW
 from parallel.data.replica_check import replica_mismatch
 from parallel.data.zero import ZeroOptimizer
@@ -103,8 +103,8 @@ class DataAxis(Accumulate):
         self.last_grads: dict = {}  # no step yet: no gradient
         self.part_flats = self.last_flats = None  # per part: the buffers of master / last_grads
         n, c = sum(p.size for p in master.values()), compute_dtype(cfg.dtype).itemsize
-        buckets = None  # zero 0, every part over a group > 1: [layouts per part], for AdamW
-        if zero == 0 and all(part.group.size > 1 for part in self.parts):
+        buckets = None  # zero 0: [layouts per part] (a group of one: D = 1, no padding)
+        if zero == 0:
             buckets = [make_buckets({k: master[k].shape for k in part.names}, part.group.size,
                                     bucket_cap_mb, c) for part in self.parts]  # fmt: skip
             # the master in the buckets' flat layout, AdamW per bucket (parallel/data/replica.py)
@@ -121,16 +121,13 @@ class DataAxis(Accumulate):
             if buckets is not None:
                 lays, at = buckets[i], at + len(buckets[i])
                 self.part_flats = (self.part_flats or []) + [self.opt.flats[at - len(lays) : at]]
-                self.ddps.append(DDP(part.group, mine, label=lab, mem=mem, dtype=cfg.dtype,
-                                     layouts=lays, flats=self.part_flats[-1]))  # fmt: skip
-                continue
-            if zero == 0:  # a group of one: no DDP, its local gradient buffer
-                one = part.group.size == 1
-                self.ddps.append(None if one else DDP(part.group, mine, label=lab, mem=mem,
-                                 bucket_cap_mb=bucket_cap_mb, dtype=cfg.dtype))  # fmt: skip
-                if one:
-                    size = sum(p.size for p in mine.values())
-                    self.statics.append(("grads", f"{lab}grads", size * c))
+                if part.group.size > 1:
+                    self.ddps.append(DDP(part.group, mine, label=lab, mem=mem, dtype=cfg.dtype,
+                                         layouts=lays, flats=self.part_flats[-1]))  # fmt: skip
+                    continue
+                self.ddps.append(FlatGrads(lays))  # a group of one: no DDP, a gradient buffer
+                size = sum(p.size for p in mine.values())
+                self.statics.append(("grads", f"{lab}grads", size * c))
                 continue
             units = layer_units(mine) if zero >= 2 else None
             self.engines.append(ZeroOptimizer(part.group, mine, zero, dtype=cfg.dtype,
@@ -140,14 +137,13 @@ class DataAxis(Accumulate):
             self.units.append({layer_of(lay.names[0]): lay.index
                                for lay in self.engines[-1].layouts})  # fmt: skip
         if zero == 0:
-            self.opt = self.opt or AdamW(master, **hyper)
             self.statics += [("params", "master", sum(p.nbytes for p in master.values())),
                              ("optimizer", "adamw", self.opt.nbytes())]  # fmt: skip
             if cfg.dtype == "mixed":  # the compute copy: Psi c
                 self.statics.append(("params", "compute_copy", n * c))
             for cat, name, nbytes in self.statics if mem is not None else ():
                 mem.alloc(cat, name, nbytes)
-        self.layouts = [lay for d in self.ddps if d for lay in d.layouts]
+        self.layouts = [lay for d in self.ddps if isinstance(d, DDP) for lay in d.layouts]
         self.layouts += [lay for e in self.engines for lay in e.layouts]
 
     # ---- one step -----------------------------------------------------------------------------
@@ -173,25 +169,21 @@ class DataAxis(Accumulate):
                     engine.apply(coef)
             return norm
         grads = {n: self.grads[n] for n in self.master}  # parameter order
-        flats, bucketed = [], isinstance(self.opt, BucketAdamW)  # the DDPs' summed buckets
-        per_part = []
+        flats, per_part = [], []  # the DDPs' summed buckets (and a group of one's gradients)
         for part, ddp in zip(self.parts, self.ddps):
-            if ddp is None:
+            if isinstance(ddp, FlatGrads):  # a group of one: its gradients copied into flat
+                flats += ddp.gather(grads)  # buffers, in their own dtype (the clip scales them)
+                per_part.append(None)  # not last_grads' buffers: the per-tensor check
                 continue
             with part.scope():
                 for n in backward_order({k: grads[k] for k in part.names}, ddp.position):
                     ddp.grad_ready(n, grads[n], where="step")
-            summed = ddp.finish()  # views of the buckets zero_grad lets go of
-            grads |= summed if bucketed else {n: g.copy() for n, g in summed.items()}
+            grads |= ddp.finish()  # views of the buckets zero_grad lets go of
             per_part.append(ddp.flats())
             flats += per_part[-1]
             ddp.zero_grad()
         # summed (replicated) over each part's group after DDP: the norm reduces over the
         # other axes only (weights count a replica once)
-        if not bucketed:
-            self.last_grads = grads
-            return clip_and_step(self.opt, self.master, grads, self.norm_groups,
-                                 max_norm=self.max_norm, weights=self.weights, tag="dp/clip")  # fmt: skip
         norm, coef = global_grad_norm(grads, self.norm_groups, max_norm=self.max_norm,
                                       weights=self.weights, tag="dp/clip")  # fmt: skip
         # the unclipped gradients for the check: the buckets themselves, copied if clipped
@@ -290,7 +282,7 @@ class DataAxis(Accumulate):
         for engine in self.engines:
             engine.close()
         for ddp in self.ddps:
-            if ddp is not None:
+            if isinstance(ddp, DDP):
                 ddp.close()
         for cat, name, _ in self.statics if self.mem is not None else ():
             with contextlib.suppress(KeyError):

@@ -168,3 +168,22 @@ class GradAccumulator:
 
     def pop(self, index: int) -> np.ndarray:
         return self.flats.pop(index)
+
+
+class FlatGrads:
+    """A group of one's summed gradients laid out as its layouts (D = 1: no padding), in buffers
+    reused every step: one copy per bucket, so AdamW runs per bucket (parallel/data/replica.py)
+    instead of once per tensor (69 at H 64: 0.9 ms against 0.3 ms per rank, copy included)."""
+
+    def __init__(self, layouts: list):
+        self.layouts, self.flats = layouts, [None] * len(layouts)
+
+    def gather(self, grads: dict) -> list:
+        """[flat gradient per layout] from {name: gradient}, in the gradients' own dtype."""
+        for i, lay in enumerate(self.layouts):
+            (dt,) = {grads[n].dtype for n in lay.names}  # one dtype, as DDP's buckets have
+            flat = self.flats[i]
+            if flat is None or flat.dtype != dt:
+                flat = self.flats[i] = lay.blank(dt)
+            np.concatenate([np.ravel(grads[n]) for n in lay.names], out=flat[: lay.numel])
+        return list(self.flats)

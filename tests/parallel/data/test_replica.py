@@ -1,14 +1,14 @@
 """parallel/data/replica.py: AdamW per DDP bucket is emulator.optim.AdamW, bitwise - the same
 parameters and moments, in parameter order, with several buckets, padding, weight decay and bf16
 gradients - and the padding stays zero; FlatLayout.flatten of a part; the buffers left unset
-for DDP's initial broadcast."""
+for DDP's initial broadcast; a group of one's gradients gathered into reused flat buffers."""
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 from emulator.optim import AdamW
-from parallel.data.flat import make_buckets
+from parallel.data.flat import FlatGrads, make_buckets
 from parallel.data.replica import BucketAdamW
 
 SHAPES = {"emb": (13, 8), "w": (8, 24), "b": (24,), "ln": (8,), "head": (8, 13)}
@@ -107,3 +107,18 @@ def test_unfilled_buffers_are_the_broadcast_roots(monkeypatch):
         want = lay.flatten(root, np.float64)
         for f in flats:
             assert f.tobytes() == want.tobytes() and not f[lay.numel :].any()
+
+
+def test_flat_grads_are_each_steps_flatten_in_their_dtype():
+    # a group of one (DataAxis at dp = 1): every step's gradients, never the last step's, in
+    # the gradients' own dtype (the clip scales them in it), laid out as flatten lays them out
+    layouts = make_buckets(SHAPES, 1, 600 / 2**20, 8)
+    assert len(layouts) > 1 and not any(lay.padding for lay in layouts)
+    fg, rng = FlatGrads(layouts), np.random.default_rng(1)
+    for dtype in (np.float64, np.float64, ml_dtypes.bfloat16, np.float32):
+        grads = {n: rng.standard_normal(s).astype(dtype) for n, s in SHAPES.items()}
+        got = fg.gather(grads)
+        assert len(got) == len(layouts)
+        for lay, flat in zip(layouts, got):
+            want = lay.flatten(grads, dtype)
+            assert flat.dtype == want.dtype and flat.tobytes() == want.tobytes()
