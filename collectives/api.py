@@ -3,7 +3,8 @@
     y = all_reduce(comm, x, op="sum", algorithm="auto")     # every rank: the reduction
     y = reduce_scatter(comm, x, op="sum")                    # rank r: rows chunk r of axis 0
     y = all_gather(comm, x, sizes=None)                      # concat along axis 0
-    y = broadcast(comm, x, root=0); y = reduce(comm, x, root=0, op="sum")  # None off root
+    y = broadcast(comm, x, root=0, out=None)                 # out=: into the caller's buffer
+    y = reduce(comm, x, root=0, op="sum")                    # None off root
     y = all_to_all(comm, x); ys = all_to_allv(comm, [x_to_0, x_to_1, ...], recv_counts=None)
     y = gather(comm, x, root=0, sizes=None); y = scatter(comm, chunks, root=0, shape=, dtype=)
     barrier(comm)
@@ -147,13 +148,29 @@ def _sizes(comm, sizes, rows: int, what: str) -> list[int]:
     return sizes
 
 
-def broadcast(comm, x, root: int = 0, algorithm: str = "tree") -> np.ndarray:
-    """Every rank gets root's x. Non-roots pass an array of the same shape/dtype (ignored)."""
+def broadcast(comm, x, root: int = 0, algorithm: str = "tree", out=None) -> np.ndarray:
+    """Every rank gets root's x. Non-roots pass an array of the same shape/dtype (ignored).
+    ``out``: a C-contiguous ndarray of x's shape and dtype that receives it (and is returned)
+    instead of a new array; x itself may be it (the root's x then moves with no copy)."""
     x = _array(x, "broadcast")
     root = _root(comm, root, "broadcast")
     algo = _choose("broadcast", algorithm, ("tree",))
+    if out is not None and (  # (a subclass's layout is its own: the dry run's arrays have none)
+        not isinstance(out, np.ndarray)
+        or out.shape != x.shape
+        or out.dtype != x.dtype
+        or not (out.flags.c_contiguous or type(out) is not np.ndarray)
+    ):
+        raise ValueError(
+            f"broadcast: out must be a C-contiguous ndarray of x's shape {x.shape} and dtype "
+            f"{x.dtype}; got {type(out).__name__} {getattr(out, 'dtype', '')}"
+            f"{list(getattr(out, 'shape', ()))}"
+        )
     with comm.collective("broadcast", algo, x, extra=f"root={root}"):
-        return tree.broadcast(comm, _flat(x), root).reshape(x.shape)
+        if out is None:
+            return tree.broadcast(comm, _flat(x), root).reshape(x.shape)
+        tree.broadcast(comm, _flat(x), root, out=out.reshape(-1))
+        return out
 
 
 def reduce(comm, x, root: int = 0, op: str = "sum", algorithm: str = "tree"):

@@ -71,12 +71,18 @@ def reduce(comm, x: np.ndarray, op: str, root: int = 0):
     return None if v else acc
 
 
-def broadcast(comm, x: np.ndarray, root: int = 0, owned: bool = False) -> np.ndarray:
+def broadcast(comm, x: np.ndarray, root: int = 0, owned: bool = False, out=None) -> np.ndarray:
     """x: (N,) on every rank (its content matters on root only). Returns root's x, new array
-    (on the root, x itself when `owned`: the caller's own buffer)."""
+    (on the root, x itself when `owned`: the caller's own buffer), or in `out` ((N,),
+    contiguous; on the root it may be x's own memory: then nothing is copied)."""
     v, kids, parent = _links(comm.rank, comm.size, root)
     kids = kids[::-1]  # deepest subtree first
-    buf = (x if owned else x.copy()) if v == 0 else np.empty_like(x)
+    if out is not None:
+        buf = out
+        if v == 0 and out.ctypes.data != x.ctypes.data:  # same start, shape, dtype: x itself
+            buf[...] = x
+    else:
+        buf = (x if owned else x.copy()) if v == 0 else np.empty_like(x)
     parts = spans(x.size, x.itemsize)
     if len(parts) == 1:  # one chunk: the buffer itself, no views to make
         if v:

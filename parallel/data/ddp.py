@@ -150,16 +150,22 @@ def broadcast_flats(comm, flats: list, tag: str = "ddp/init_broadcast") -> None:
     elements first (parallel/data/flat.py). The message is their real elements back to back:
     the same Psi elements, dtype and tree as broadcast_params' concatenation (in bucket
     order instead of parameter order, which no rank's result depends on), one copy per buffer
-    instead of one per tensor, and none on rank 0, whose buffers already hold the values."""
+    instead of one per tensor, and none on rank 0, whose buffers already hold the values.
+    One buffer (the usual case): received straight into it (`broadcast(out=)`), no copy at all
+    but the messages'; several: the receivers copy the message back into each."""
     if comm.size == 1 or not flats:
         return
-    if len(flats) == 1:
+    if len(flats) == 1:  # the buffer's real elements are the message, received in place
         f, n = flats[0]
-        payload = f[:n]  # contiguous: the tree copies it on the root
-    else:
-        payload = np.concatenate([f[:n] for f, n in flats])  # (Psi,)
+        with scope(tag):
+            broadcast(comm, f[:n], root=0, out=f[:n])
+        return
+    if comm.rank == 0:  # (Psi,): the real elements back to back
+        payload = np.concatenate([f[:n] for f, n in flats])
+    else:  # the tree fills it
+        payload = np.empty(sum(n for _, n in flats), flats[0][0].dtype)
     with scope(tag):
-        got = broadcast(comm, payload, root=0)
+        got = broadcast(comm, payload, root=0, out=payload)
     if comm.rank == 0:
         return
     start = 0

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -54,3 +57,34 @@ def test_tree_children_cover_every_rank_once():
         seen = [c for v in range(p) for c in cost.tree_children(v, p)]
         assert sorted(seen) == list(range(1, p)), p
         assert all(cost.tree_parent(c) == v for v in range(p) for c in cost.tree_children(v, p))
+
+
+@SETTINGS
+@given(p=world_sizes, n=st.sampled_from([0, 1, 7, 40_000]), root=st.integers(0, 15),
+       own=st.booleans())  # fmt: skip
+def test_broadcast_into_out_is_broadcast(p, n, root, own):
+    # out= (DDP's initial broadcast into the replica's buffer): every rank's out holds root's x
+    # and is what returns; the root's x may be its out (no copy); the same records as without
+    # out; 40,000 (2, ) float64 rows travel in two chunks (cost.TREE_CHUNK)
+    root %= p
+    xs = inputs(p, (n, 2), np.float64, seed=p + n)
+
+    def fn(comm):
+        plain = broadcast(comm, xs[comm.rank], root=root)
+        x = xs[comm.rank].copy()
+        out = x if own and comm.rank == root else np.full_like(x, np.nan)
+        mark = comm.ledger.mark()
+        got = broadcast(comm, x, root=root, out=out)
+        recs = [dataclasses.astuple(r)[:-1] for r in comm.ledger.since(mark)]  # all but seq
+        return plain, got, out, x, recs, comm.ledger.records[: len(recs)]
+
+    for r, (plain, got, out, x, recs, first) in enumerate(run(fn, p)):
+        assert got is out and got.tobytes() == plain.tobytes() == xs[root].tobytes(), r
+        assert x.tobytes() == (xs[root] if own and r == root else xs[r]).tobytes()
+        assert recs == [dataclasses.astuple(f)[:-1] for f in first]  # the same, in order
+
+
+def test_broadcast_out_must_be_x_shape_dtype_and_contiguous():
+    for bad in (np.zeros(5), np.zeros((4, 2), np.float32), np.zeros((2, 4)).T, [0.0] * 8):
+        with pytest.raises(ValueError, match="out must be a C-contiguous ndarray of x's shape"):
+            run(lambda c, bad=bad: broadcast(c, np.ones((4, 2)), out=bad), 2)
