@@ -136,6 +136,9 @@ class GradAccumulator:
     `add` sums a gradient into its slot (in the arithmetic dtype, stored in the buffer's dtype,
     as the reference accumulates micro-batches) and returns the layout when its last gradient of
     this micro-batch has arrived - the moment DDP / ZeRO-2 / FSDP launch its collective.
+    A buffer is a sum that starts at zero, but it is not filled with zeros (np.zeros: a memset
+    of Psi elements per rank and step, and a read of them): its first micro-batch stores
+    g + 0.0 - the bits of 0 + g, as IEEE addition commutes (-0.0 becomes +0.0 either way).
     """
 
     def __init__(self, layouts: list, dtype):
@@ -144,6 +147,7 @@ class GradAccumulator:
         self.of = unit_of(layouts)
         self.flats: dict[int, np.ndarray] = {}
         self.seen: dict[int, set] = {}
+        self.fresh: set = set()  # layouts whose buffer is in its first micro-batch
 
     def add(self, name: str, grad) -> FlatLayout | None:
         lay = self.of.get(name)
@@ -154,16 +158,22 @@ class GradAccumulator:
             raise ValueError(f"gradient of {name!r} arrived twice in one micro-batch")
         seen.add(name)
         flat = self.flats.get(lay.index)
-        if flat is None:
-            flat = self.flats[lay.index] = np.zeros(lay.padded, self.dtype)
+        if flat is None:  # zeros, but for the real elements, which the first pass sets
+            flat = self.flats[lay.index] = lay.blank(self.dtype)
+            self.fresh.add(lay.index)
         s, g = lay.slots[name], np.asarray(grad).reshape(-1)
+        first = lay.index in self.fresh  # the slot stands for zeros: 0 + g, as g + 0.0
         if self.in_place and g.dtype == self.dtype:  # float32/64: the same sum, in place
-            np.add(flat[s], g, out=flat[s])
+            if first:
+                np.add(g, 0.0, out=flat[s])
+            else:
+                np.add(flat[s], g, out=flat[s])
         else:  # bf16: fp32 arithmetic, stored back as bf16
-            flat[s] = down(up(flat[s]) + up(g), self.dtype)
+            flat[s] = down(up(g) + 0.0 if first else up(flat[s]) + up(g), self.dtype)
         if len(seen) < len(lay.names):
             return None
         del self.seen[lay.index]  # complete: the next micro-batch starts afresh
+        self.fresh.discard(lay.index)
         return lay
 
     def pop(self, index: int) -> np.ndarray:
