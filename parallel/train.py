@@ -47,6 +47,7 @@ from parallel.data.axis import DataAxis
 from parallel.expert import nd as nd_ep
 from parallel.expert.nd import ep_mesh
 from parallel.layer import LayerContext
+from parallel.layout import mesh_text
 from parallel.pipeline.executor import run_schedule, split_layers, stage_param_names
 from parallel.pipeline.schedules import make_schedule
 from parallel.tensor.block import megatron_plan
@@ -76,7 +77,7 @@ class NDRun:
     executed: list  # this stage's actions in the order it ran them (last step)
     in_flight: int  # peak micro-batch units alive on this stage
     layouts: list  # the dp flat buffers (DDP buckets, ZeRO buckets or per-layer units)
-    mesh: str  # Mesh.describe()
+    mesh: str  # Mesh.describe() (parallel.layout.mesh_text)
     replica_mismatch: list  # "param/grad <name>..." of tp- or dp/ep/edp-replicated tensors whose
     # copies differ bitwise (tp: replica_mismatch; dp parts: DataAxis.replica_mismatch)
     act_bytes: dict = dataclasses.field(default_factory=dict)  # per block: bytes after forward
@@ -197,7 +198,7 @@ def _train(comm, layout, cfg, get, checked, steps, seed, *, lr, betas, eps, weig
         )  # fmt: skip
     try:
         run = NDRun(layout, dict(mesh.coords), [], [], {}, {}, {}, {}, [], {}, split, [], 0,
-                    axis.layouts, mesh.describe(), [], ctx.act_bytes)  # fmt: skip
+                    axis.layouts, mesh_text(mesh), [], ctx.act_bytes)  # fmt: skip
         if ep is not None:
             run.coords.update(ep=emesh.coord("ep"), edp=emesh.coord("edp"))
         for step in range(steps):
