@@ -47,11 +47,12 @@ from parallel.data.axis import DataAxis
 from parallel.expert import nd as nd_ep
 from parallel.expert.nd import ep_mesh
 from parallel.layer import LayerContext
+from parallel.layout import mesh_text
 from parallel.pipeline.executor import run_schedule, split_layers, stage_param_names
 from parallel.pipeline.schedules import make_schedule
 from parallel.tensor.block import megatron_plan
 from parallel.tensor.sequence import reduce_partial_grads
-from parallel.tensor.shard import shard, unshard_once
+from parallel.tensor.shard import shard, unshard_each
 from parallel.tensor.train import replica_mismatch
 
 AXIS_TAGS = {"dp": ("dp/grads", "dp/params"), "tp": ("tp/",), "pp": ("pp/",), "clip": ("dp/clip",)}
@@ -76,7 +77,7 @@ class NDRun:
     executed: list  # this stage's actions in the order it ran them (last step)
     in_flight: int  # peak micro-batch units alive on this stage
     layouts: list  # the dp flat buffers (DDP buckets, ZeRO buckets or per-layer units)
-    mesh: str  # Mesh.describe()
+    mesh: str  # Mesh.describe() (parallel.layout.mesh_text)
     replica_mismatch: list  # "param/grad <name>..." of tp- or dp/ep/edp-replicated tensors whose
     # copies differ bitwise (tp: replica_mismatch; dp parts: DataAxis.replica_mismatch)
     act_bytes: dict = dataclasses.field(default_factory=dict)  # per block: bytes after forward
@@ -197,7 +198,7 @@ def _train(comm, layout, cfg, get, checked, steps, seed, *, lr, betas, eps, weig
         )  # fmt: skip
     try:
         run = NDRun(layout, dict(mesh.coords), [], [], {}, {}, {}, {}, [], {}, split, [], 0,
-                    axis.layouts, mesh.describe(), [], ctx.act_bytes)  # fmt: skip
+                    axis.layouts, mesh_text(mesh), [], ctx.act_bytes)  # fmt: skip
         if ep is not None:
             run.coords.update(ep=emesh.coord("ep"), edp=emesh.coord("edp"))
         for step in range(steps):
@@ -246,8 +247,8 @@ def _train(comm, layout, cfg, get, checked, steps, seed, *, lr, betas, eps, weig
         run.replica_mismatch = replica_mismatch(every, plan, tp) if lg else []
         # and over each data-parallel part's group (dp (x cp); ep runs: the experts over edp)
         run.replica_mismatch += axis.replica_mismatch()
-        stage_p = unshard_once(tp, [e[0] for e in every], plan)  # once per tp group
-        stage_g = unshard_once(tp, [e[1] for e in every], plan) if lg else {}
+        # once per tp group (no grads: rank 0's dict is empty, so is stage_g)
+        stage_p, stage_g = unshard_each(tp, [[e[0] for e in every], [e[1] for e in every]], plan)
         if ep is not None:  # the experts back to E along axis 0, ep coordinates in order
             stage_p, stage_g = nd_ep.unshard_experts(ep, stage_p, stage_g)
         for part_p, part_g in pp.allgather_object((stage_p, stage_g)):

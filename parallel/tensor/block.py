@@ -168,9 +168,10 @@ def tp_block_forward(tp, bp, x, cfg, *, sp=False, regather=True, keep_probs=True
             c[key] = (None, *c[key][1:])
         if not cfg.is_moe:
             c["m"] = m
-    c.update(aux=aux, regather=drop, mem=mem, name=name, bp=bp, cfg=cfg, attention=attention)
-    if mem is not None:
+    c.update(aux=aux, regather=drop)
+    if mem is not None:  # measured before bp joins the cache: its arrays are excluded anyway
         mem.alloc("activations", name, saved_nbytes(c, exclude=bp.values()))
+    c.update(mem=mem, name=name, bp=bp, cfg=cfg, attention=attention)  # holding no activations
     return x, c
 
 

@@ -134,9 +134,21 @@ def unshard_once(group, shards: list, plan: dict) -> dict:
     (uncounted), so the group does the work once instead of R times; the full arrays are then
     shared by the group's ranks (as any allgather_object's are). Elsewhere each rank unshards:
     an object sent to another process is copied anyway."""
-    if not shards:
-        return unshard(shards, plan)  # its error
-    return shared_map(group, list(shards[0]), lambda n: _join(n, plan[n], [s[n] for s in shards]))
+    return unshard_each(group, [shards], plan)[0]
+
+
+def unshard_each(group, lists: list, plan: dict) -> list:
+    """``[unshard_once(group, shards, plan) for shards in lists]`` (e.g. the params' and the
+    grads' shards) in one exchange of the joined tensors instead of one per list."""
+    for shards in lists:
+        if not shards:
+            unshard(shards, plan)  # its error
+    keys = [(i, n) for i, shards in enumerate(lists) for n in shards[0]]
+    got = shared_map(group, keys, lambda k: _join(k[1], plan[k[1]], [s[k[1]] for s in lists[k[0]]]))
+    out = [{} for _ in lists]
+    for (i, n), x in got.items():
+        out[i][n] = x
+    return out
 
 
 def describe(plan: dict, shapes: dict, R: int) -> str:

@@ -32,7 +32,7 @@ from parallel.pipeline.schedules import make_schedule
 from parallel.tensor.block import check_tp, megatron_plan
 from parallel.tensor.dp import DataParallelSync
 from parallel.tensor.sequence import reduce_partial_grads
-from parallel.tensor.shard import shard, unshard_once
+from parallel.tensor.shard import shard, unshard_each
 
 
 class _TPHooks(Hooks):
@@ -158,8 +158,7 @@ def tp_train(mesh, cfg, seed, batches, steps, *, sequence_parallel=False, regath
     master, grads = sync.full_state()
     grads = acc if grads is None else grads
     every = tp.allgather_object((master, grads))  # uncounted: the check, not the training
-    full_p = unshard_once(tp, [e[0] for e in every], plan)
-    full_g = unshard_once(tp, [e[1] for e in every], plan)
+    full_p, full_g = unshard_each(tp, [[e[0] for e in every], [e[1] for e in every]], plan)
     if sync.dp is not None:  # every micro-batch, in the reference's order (d k + j)
         per_dp = sync.dp.allgather_object(routing)
         routing = [[mb for d in per_dp for mb in d[step]] for step in range(steps)]

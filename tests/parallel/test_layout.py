@@ -80,3 +80,19 @@ def test_mesh_groups_tp_innermost_and_every_axis_a_partition():
         assert groups["pp"] == [4 * d + 2 * k + t for k in range(2)]
         assert groups["dp"] == [4 * k + 2 * p + t for k in range(2)]
         assert f"[{','.join(map(str, groups['dp']))}]" in text
+
+
+def test_mesh_text_is_every_rank_s_describe_for_each_shape():
+    """mesh_text shares one string per (axes, degrees): it must equal each rank's own
+    Mesh.describe() for meshes of the same world in different shapes, asked in turn."""
+    from parallel.layout import mesh_text
+
+    shapes = [{"dp": 2, "pp": 2, "tp": 2}, {"dp": 4, "tp": 2}, {"pp": 2, "tp": 4}, {"dp": 8}]
+
+    def main(comm):
+        meshes = [Layout(**kw).mesh(comm) for kw in shapes]
+        return [(mesh_text(m), m.describe()) for m in meshes]
+
+    for rank in emulator.spawn(main, 8):
+        assert [a for a, _ in rank] == [b for _, b in rank]
+        assert len({a for a, _ in rank}) == len(shapes)

@@ -7,7 +7,7 @@ import emulator
 from emulator.config import init_params
 from emulator.model import ModelConfig
 from parallel.tensor.block import megatron_plan
-from parallel.tensor.shard import shard, unshard, unshard_once
+from parallel.tensor.shard import shard, unshard, unshard_each, unshard_once
 from parallel.tensor.train import replica_mismatch
 
 CFG = ModelConfig(vocab_size=32, max_seq_len=8, d_model=16, n_heads=4, n_layers=2)
@@ -48,3 +48,15 @@ def test_unshard_once_equals_unshard_on_every_rank():
         assert list(got) == list(want)
         for n, x in want.items():
             assert got[n].shape == x.shape and np.array_equal(got[n], x), n
+
+
+def test_unshard_each_is_unshard_of_each_list_in_one_exchange():
+    plan, every = megatron_plan(CFG), _every(4, {})
+    lists = [[e[0] for e in every], [e[1] for e in every], [{} for _ in every]]
+    want = [unshard(shards, plan) for shards in lists]
+    assert want[2] == {}
+    for got in emulator.spawn(lambda c: unshard_each(c, lists, plan), 4):
+        assert [list(d) for d in got] == [list(d) for d in want]
+        for g, w in zip(got, want, strict=True):
+            for n, x in w.items():
+                assert g[n].shape == x.shape and np.array_equal(g[n], x), n
