@@ -116,6 +116,11 @@ def _on() -> bool:
     return threading.current_thread() is threading.main_thread() and (blas.threads() or 1) >= 2
 
 
+def on() -> bool:
+    """Whether this thread splits at all, now (the main thread with a >= 2-thread pool)."""
+    return _on()
+
+
 def enabled(size: int) -> bool:
     """Whether an array of ``size`` elements would be split here, now."""
     return size >= MIN_SIZE and _on()
