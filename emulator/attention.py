@@ -54,9 +54,9 @@ def _probs_into(q, k, A, p):
     np.matmul(qh, kh.transpose(0, 1, 3, 2), out=s)  # (B, A, S, S)
     s *= 1.0 / math.sqrt(qh.shape[-1])
     np.copyto(s, -np.inf, where=_future(q.shape[1]))
-    s -= s.max(axis=-1, keepdims=True)
+    s -= np.maximum.reduce(s, axis=-1, keepdims=True)  # ndarray.max's ufunc call
     np.exp(s, out=s)
-    s /= s.sum(axis=-1, keepdims=True)
+    s /= np.add.reduce(s, axis=-1, keepdims=True)
     if s is not p:
         p[...] = down(s, p.dtype)
 
@@ -102,7 +102,7 @@ def _backward_into(q, k, v, do, p, dq, dk, dv, *, A):
     _matmul_merged(p.transpose(0, 1, 3, 2), doh, dv)
     dp = doh @ vh.transpose(0, 1, 3, 2)  # (b, A, S, S)
     # softmax backward, ds = p (dp - sum(dp p)), in dp's buffer; masked p = 0
-    dp -= (dp * p).sum(axis=-1, keepdims=True)
+    dp -= np.add.reduce(dp * p, axis=-1, keepdims=True)
     ds = np.multiply(dp, p, out=dp)
     ds *= 1.0 / math.sqrt(doh.shape[-1])
     _matmul_merged(ds, _heads(k, A), dq)

@@ -53,6 +53,7 @@ ONE = "one"  # a job that is one call (a GEMM too small to halve)
 _pool: list = []
 _lock = threading.Lock()
 _queued: list = []  # [(jobs, later jobs)] inside deferred() (main thread only)
+_main = [threading.main_thread().ident]  # compared with get_ident(): one C call per _on()
 
 
 class _Helper:
@@ -105,6 +106,7 @@ def _forget_after_fork() -> None:
     global _lock
     _lock = threading.Lock()
     _pool.clear()
+    _main[0] = threading.get_ident()  # the forking thread is the child's main thread
 
 
 if hasattr(os, "register_at_fork"):
@@ -113,7 +115,12 @@ if hasattr(os, "register_at_fork"):
 
 def _on() -> bool:
     """Whether this thread splits at all: the main thread, with a >= 2-thread BLAS pool."""
-    return threading.current_thread() is threading.main_thread() and (blas.threads() or 1) >= 2
+    return threading.get_ident() == _main[0] and (blas.threads() or 1) >= 2
+
+
+def on() -> bool:
+    """Whether this thread splits at all, now (the main thread with a >= 2-thread pool)."""
+    return _on()
 
 
 def enabled(size: int) -> bool:

@@ -66,10 +66,21 @@ def _embedding_sums(dtok, d, rows, *, ids):
     """Columns of dtok (V, H) += the rows of d (B, S, H) in token order (repeated ids
     accumulate), rows (S, H) = d summed over the batch."""
     np.add.at(dtok, ids, d.reshape(-1, d.shape[-1]))
-    np.sum(d, axis=0, out=rows)
+    np.add.reduce(d, axis=0, out=rows)
 
 
 # ---- layernorm over the last axis, biased variance -----------------------------------------------
+def _row_mean(x):
+    """x.mean(axis=-1, keepdims=True) as NumPy computes it (numpy/_core/_methods.py _mean: the
+    sum, then a true_divide by the count as an intp, in place) without its ten Python-level
+    calls: the same two ufunc calls, so the same bits. Reductions below call the ufunc's reduce
+    for the same reason (ndarray.sum and np.sum are Python wrappers of np.add.reduce)."""
+    if x.dtype.kind != "f" or x.dtype.itemsize < 4:  # _mean's float16 path: its own
+        return x.mean(axis=-1, keepdims=True)
+    r = np.add.reduce(x, axis=-1, keepdims=True)
+    return np.true_divide(r, np.intp(x.shape[-1]), out=r, casting="unsafe", subok=False)
+
+
 def layernorm_forward(x, gain, bias, eps):
     """x (..., H) -> y (..., H). Statistics in the arithmetic dtype (fp32 for bf16)."""
     c = up(x)
@@ -83,9 +94,9 @@ def layernorm_forward(x, gain, bias, eps):
 def _layernorm_into(c, xhat, y, rstd, *, gain, bias, eps):
     """Row-wise: xhat = (c - mean) rstd, rstd = 1 / sqrt(mean((c - mean)^2) + eps), y = xhat
     gain + bias, in the two (..., H) output buffers (y holds the squares first)."""
-    np.subtract(c, c.mean(axis=-1, keepdims=True), out=xhat)
+    np.subtract(c, _row_mean(c), out=xhat)
     np.multiply(xhat, xhat, out=y)
-    r = y.mean(axis=-1, keepdims=True)  # (..., 1)
+    r = _row_mean(y)  # (..., 1)
     r += eps
     np.sqrt(r, out=r)
     np.divide(1.0, r, out=rstd)
@@ -119,15 +130,15 @@ def layernorm_backward(dy, cache, residual=None):
 def _layernorm_sums(d, xhat, tmp, dgain, dbias):
     """Columns: dgain = sum over rows of d xhat (built in tmp), dbias = sum of d."""
     np.multiply(d, xhat, out=tmp)
-    np.sum(tmp, axis=0, out=dgain)
-    np.sum(d, axis=0, out=dbias)
+    np.add.reduce(tmp, axis=0, out=dgain)
+    np.add.reduce(d, axis=0, out=dbias)
 
 
 def _layernorm_dx(d, xhat, rstd, tmp, dx, *, gain):
     """Rows: dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), dxhat = d gain."""
     np.multiply(d, gain, out=dx)
-    proj = np.multiply(dx, xhat, out=tmp).mean(axis=-1, keepdims=True)
-    dx -= dx.mean(axis=-1, keepdims=True)
+    proj = _row_mean(np.multiply(dx, xhat, out=tmp))
+    dx -= _row_mean(dx)
     dx -= np.multiply(xhat, proj, out=tmp)
     dx *= rstd
 
@@ -217,7 +228,7 @@ def linear_gelu_backward(dy, cache, z):
 def _shifted_into(logits, z):
     """z (N, V) = logits - rowmax in the arithmetic dtype; log softmax is z - log(sum(exp(z)))."""
     c = up(logits)
-    np.subtract(c, c.max(axis=-1, keepdims=True), out=z)
+    np.subtract(c, np.maximum.reduce(c, axis=-1, keepdims=True), out=z)
 
 
 def _ce_rows(logits, t, zt, lse):
@@ -226,13 +237,13 @@ def _ce_rows(logits, t, zt, lse):
     z = np.empty(logits.shape, zt.dtype)
     _shifted_into(logits, z)
     zt[:, 0] = z[np.arange(t.shape[0]), t[:, 0]]
-    lse[:, 0] = np.log(np.exp(z, out=z).sum(axis=-1))
+    lse[:, 0] = np.log(np.add.reduce(np.exp(z, out=z), axis=-1))
 
 
 def _ce_grad_rows(logits, t, g, *, dsum):
     """Rows: g (n, V) = dsum (softmax(logits) - onehot(t)), log softmax then softmax in g."""
     _shifted_into(logits, g)
-    g -= np.log(np.exp(g).sum(axis=-1, keepdims=True))
+    g -= np.log(np.add.reduce(np.exp(g), axis=-1, keepdims=True))
     np.exp(g, out=g)
     g[np.arange(t.shape[0]), t[:, 0]] -= 1.0
     g *= dsum

@@ -128,3 +128,14 @@ def test_cross_entropy():
     total, n, c2 = ops.cross_entropy_sum_forward(logits, targets)
     assert n == 6 and abs(total - 6 * ref) < 1e-12
     assert_close("sum grad", ops.cross_entropy_sum_backward(1.0, c2), 6 * d, rtol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+@pytest.mark.parametrize("shape", [(7, 64), (3, 5, 33), (2, 1), (4, 300)])
+def test_row_mean_is_ndarray_mean_bitwise(dtype, shape):
+    """ops._row_mean calls the two ufuncs ndarray.mean does (the sum, then the division by the
+    count as an intp: float32 rows are divided in float64, then rounded): the same bits."""
+    x = (np.random.default_rng(6).standard_normal(shape) * 3.7).astype(dtype)
+    got, want = ops._row_mean(x), x.mean(axis=-1, keepdims=True)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))

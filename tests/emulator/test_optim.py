@@ -82,3 +82,47 @@ def test_clipping_matches_hand_formula():
     g2 = {"a": np.array([0.3, 0.4])}
     assert clip_grad_norm(g2, 1.0) == pytest.approx(0.5, abs=1e-15)
     assert np.array_equal(g2["a"], [0.3, 0.4])  # below max_norm: untouched
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_adamw_flat_moments_bitwise_per_tensor(monkeypatch, weight_decay, dtype):
+    """Where nothing splits, the small tensors' moments and steps run on AdamW's flat buffers
+    (and the large ones one by one): bitwise adamw_update one tensor at a time, with the
+    moments as views of one buffer per moment, and the same figures."""
+    monkeypatch.setattr("emulator.halves.blas.threads", lambda: 1)  # the plain path, here
+    rng = np.random.default_rng(4)
+    shapes = {"w": (64, 300), "b": (40,), "t": (3, 4, 5), "one": (1,), "x": (9, 7)}
+    params = {n: rng.standard_normal(s).astype(dtype) for n, s in shapes.items()}
+    grads = [{n: rng.standard_normal(s).astype(dtype) for n, s in shapes.items()} for _ in range(3)]
+    p = {n: a.copy() for n, a in params.items()}
+    opt = AdamW(p, lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=weight_decay)
+    want = {n: a.copy() for n, a in params.items()}
+    m, v = ({n: np.zeros(s, dtype) for n, s in shapes.items()} for _ in range(2))
+    for k, g in enumerate(grads, start=1):
+        opt.step(p, g)
+        for n in shapes:
+            adamw_update(want[n], g[n], m[n], v[n], k, lr=0.01, betas=(0.8, 0.99), eps=1e-6,
+                         weight_decay=weight_decay)  # fmt: skip
+    for n in shapes:
+        for got, ref in ((p, want), (opt.m, m), (opt.v, v)):
+            assert got[n].shape == ref[n].shape and np.array_equal(got[n], ref[n]), n
+    assert opt._flat == ["b", "t", "one", "x"]  # w (19,200 elements) is over FLAT_MAX
+    assert opt.m["b"].base is opt.m["x"].base and opt.m["w"].base is None
+    assert opt.nbytes() == 2 * sum(a.nbytes for a in params.values())
+
+
+def test_adamw_flat_bf16_gradients_and_mixed_dtypes(monkeypatch):
+    """bf16 gradients are widened before the flat pass; parameters of two dtypes keep every
+    tensor on its own (no flat buffer)."""
+    monkeypatch.setattr("emulator.halves.blas.threads", lambda: 1)
+    rng = np.random.default_rng(5)
+    p32 = {"a": rng.standard_normal(6).astype(np.float32), "b": np.ones((2, 3), np.float32)}
+    g = {n: rng.standard_normal(a.shape).astype(ml_dtypes.bfloat16) for n, a in p32.items()}
+    p, want = {n: a.copy() for n, a in p32.items()}, {n: a.copy() for n, a in p32.items()}
+    AdamW(p, lr=0.5).step(p, g)
+    for n in p32:
+        adamw_update(want[n], g[n], np.zeros_like(want[n]), np.zeros_like(want[n]), 1, lr=0.5)
+        assert np.array_equal(p[n], want[n])
+    two = {"a": np.zeros(3), "b": np.zeros(3, np.float32)}
+    assert AdamW(two)._flat == []
