@@ -80,7 +80,8 @@ def ep_moe_forward(ep, mp_local, m, groups, *, top_k, capacity_factor, dispatch=
     B, S, H = m.shape
     E, P = mp_local["router"].shape[1], ep.size
     El = check_ep(E, P, top_k, mp_local)
-    groups = check_groups([np.arange(B * S)] if groups is None else groups, B * S)
+    # None: one group of every token, a partition already (check_groups would return it as is)
+    groups = [np.arange(B * S)] if groups is None else check_groups(groups, B * S)
     flat = m.reshape(B * S, H)
     routes = [route(flat[idx], mp_local["router"], top_k, capacity_factor) for idx in groups]
     bufs = [fill_buffer(r["u"], r) for r in routes]  # G x (E, C_g, H)
