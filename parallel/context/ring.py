@@ -117,6 +117,18 @@ def _pass_on(comm, arrays):
     return out
 
 
+def _fresh(g, sl, shape, dtype):
+    """A zero accumulator of ``shape`` with the block gradient ``g`` added at rows ``sl`` (axis
+    2), without the zeros and the add when ``g`` fills it: g is a matmul's output - fresh,
+    C-contiguous - and a matmul's sums start from +0.0, so they never yield -0.0 and 0.0 + g
+    is g bitwise (the one x for which 0.0 + x differs from x is -0.0)."""
+    if g.shape == shape and g.dtype == dtype:
+        return g
+    acc = np.zeros(shape, dtype)
+    acc[:, :, sl] += g
+    return acc
+
+
 def ring_forward(comm, q, k, v, A, pos, *, keep_probs=True):
     """q, k, v (B, S_local, H) of rank r, positions table pos (C, S_local) -> (o, cache)."""
     r = comm.rank
@@ -143,8 +155,8 @@ def ring_forward(comm, q, k, v, A, pos, *, keep_probs=True):
             pv = e @ heads(vb, A)[:, :, cs]  # (B, A, rows, D)
             if t == 0:  # the own block: every query sees its own position, so every row is
                 # here; merging into m = -inf, l = 0, acc = 0 is a_old = 0, a_blk = 1, i.e.
-                # l = sum e and acc = 0 + pv (+ 0.0 keeps that sum's sign of zero: same bits)
-                m, l, acc = m_blk, e.sum(axis=-1), np.add(pv, 0.0, out=pv)
+                # l = sum e and acc = 0 + pv, which is pv bitwise (_fresh)
+                m, l, acc = m_blk, e.sum(axis=-1), pv
             else:
                 m_old = m[..., rs]
                 m_new = np.maximum(m_old, m_blk)
@@ -176,22 +188,23 @@ def ring_backward(do, cache):
     C = comm.size
     qh, doh = heads(q, A), heads(do, A)
     delta = (doh * heads(cache["o"], A)).sum(axis=-1)  # (B, A, S_local) = rowsum(dO * O)
-    # the accumulators C-contiguous (B, A, S_local, D): the layout of the matmuls' outputs
-    # added into them and of the ring's messages (zeros_like(qh) takes q's (B, S, A, D) memory
-    # order: strided adds, and _pass_on's copy of each travelling one before it is sent)
-    dq = np.zeros(qh.shape, qh.dtype)
-    own_dk, own_dv = np.zeros(qh.shape, qh.dtype), np.zeros(qh.shape, qh.dtype)  # step 0
-    dkb = dvb = None  # the travelling accumulators of the block held now
-    kb, vb = k, v
+    # the accumulators, C-contiguous (B, A, S_local, D) - the layout of the matmuls' outputs
+    # added into them and of the ring's messages: dq and the own block's dK/dV are born at
+    # step 0, the travelling dK/dV of the block held now (dkb, dvb) at step 1, each as its
+    # first block's gradients on zeros (_fresh); later steps add into them
+    dq = own_dk = own_dv = dkb = dvb = None
+    kb, vb, shape, adt = k, v, qh.shape, qh.dtype
     with comm.collective("ring_attention", "ring", q, extra=f"backward, heads={A}"):
         for t, st in enumerate(cache["plan"].steps):
             if t:  # K/V move on as in the forward; from step 2 the accumulators come with them
                 kb, vb = _pass_on(comm, (kb, vb))
                 if t >= 2:
                     dkb, dvb = _pass_on(comm, (dkb, dvb))
-                else:
-                    dkb, dvb = np.zeros(qh.shape, qh.dtype), np.zeros(qh.shape, qh.dtype)
-            if st.n_rows == 0:
+            if st.n_rows == 0:  # skipped: what is born here starts (and travels) empty
+                if t == 0:
+                    dq, own_dk, own_dv = (np.zeros(shape, adt) for _ in range(3))
+                elif t == 1:
+                    dkb, dvb = np.zeros(shape, adt), np.zeros(shape, adt)
                 continue
             rs, cs = st.rows, st.cols
             kh, vh = heads(kb, A)[:, :, cs], heads(vb, A)[:, :, cs]
@@ -204,10 +217,16 @@ def ring_backward(do, cache):
             # 2023 for the zigzag blocks): dQ += dS K locally, dK/dV of the block that is here
             dq_b, dk_b, dv_b = probs_backward(up(p), qh[:, :, rs], kh, vh, doh[:, :, rs],
                                               delta[..., rs])  # fmt: skip
+            if t == 0:
+                dq, own_dk, own_dv = (_fresh(g, sl, shape, adt) for g, sl in
+                                      ((dq_b, rs), (dk_b, cs), (dv_b, cs)))  # fmt: skip
+                continue
             dq[:, :, rs] += dq_b
-            gk, gv = (own_dk, own_dv) if t == 0 else (dkb, dvb)
-            gk[:, :, cs] += dk_b
-            gv[:, :, cs] += dv_b
+            if t == 1:
+                dkb, dvb = _fresh(dk_b, cs, shape, adt), _fresh(dv_b, cs, shape, adt)
+            else:
+                dkb[:, :, cs] += dk_b
+                dvb[:, :, cs] += dv_b
         if C > 1:  # after step C - 1 rank r holds the accumulators of rank r + 1: send them home
             dkb, dvb = _pass_on(comm, (dkb, dvb))
             own_dk += dkb

@@ -104,8 +104,8 @@ def announce(ep, counts: np.ndarray, sends) -> np.ndarray:
     """
     P = ep.size
     El = counts.size // P
-    for d in range(P):
-        said, rows = int(counts[d * El : (d + 1) * El].sum()), sends[d].shape[0]
+    for d, said in enumerate(counts.reshape(P, El).sum(axis=1).tolist()):
+        rows = sends[d].shape[0]
         if said != rows:
             raise RuntimeError(
                 f"expert-parallel count exchange: rank {ep.rank} of group {ep.name!r} announces "

@@ -80,12 +80,16 @@ def ep_moe_forward(ep, mp_local, m, groups, *, top_k, capacity_factor, dispatch=
     B, S, H = m.shape
     E, P = mp_local["router"].shape[1], ep.size
     El = check_ep(E, P, top_k, mp_local)
-    groups = check_groups([np.arange(B * S)] if groups is None else groups, B * S)
+    # None: one group of every token in order, a partition already (check_groups would return
+    # it as is), whose results need no scatter into the token order (y = combine's, not y[idx])
+    whole = groups is None
+    groups = [np.arange(B * S)] if whole else check_groups(groups, B * S)
     flat = m.reshape(B * S, H)
     routes = [route(flat[idx], mp_local["router"], top_k, capacity_factor) for idx in groups]
     bufs = [fill_buffer(r["u"], r) for r in routes]  # G x (E, C_g, H)
     n = dx.rows_table(routes, E, dispatch)  # (G, E) rows sent per group and expert
-    send_rows = [int(n[:, d * El : (d + 1) * El].sum()) for d in range(P)]
+    per_e = n.sum(axis=0).tolist()  # rows for each expert, over the groups (exact integers)
+    send_rows = [sum(per_e[d * El : (d + 1) * El]) for d in range(P)]
     sends = dx.pack(bufs, n, P)
     w = [mp_local[k] for k in EXPERT_NAMES]
     with scope(f"{prefix}fwd"):
@@ -93,7 +97,7 @@ def ep_moe_forward(ep, mp_local, m, groups, *, top_k, capacity_factor, dispatch=
             counts = dx.announce(ep, dx.expert_counts(n), sends)  # (P, El)
         else:  # every source sends sum_g C_g per expert (all_to_all checks the ranks agree)
             counts = np.full((P, El), int(n[:, 0].sum()), np.int64)
-        recv_rows = [int(c) for c in counts.sum(axis=1)]
+        recv_rows = counts.sum(axis=1).tolist()
         xs = dx.by_expert(
             dx.exchange(ep, sends, send_rows, recv_rows, dispatch, "dispatch"), counts
         )
@@ -106,14 +110,17 @@ def ep_moe_forward(ep, mp_local, m, groups, *, top_k, capacity_factor, dispatch=
             ep, dx.to_sources(outs, counts), recv_rows, send_rows, dispatch, "combine"
         )
     outb = dx.unpack(back, n, P, [b.shape for b in bufs], m.dtype)  # G x (E, C_g, H)
-    y = np.empty_like(flat)
-    for idx, r, o in zip(groups, routes, outb):
-        y[idx] = combine(o, r)
+    if whole:
+        y = combine(outb[0], routes[0])
+    else:
+        y = np.empty_like(flat)
+        for idx, r, o in zip(groups, routes, outb):
+            y[idx] = combine(o, r)
     aux = sum(r["aux"] for r in routes) / len(routes)
     cache = {
         "ep": ep, "mode": dispatch, "groups": groups, "routes": routes, "outb": outb, "n": n,
         "counts": counts, "send_rows": send_rows, "recv_rows": recv_rows, "ecaches": ecaches,
-        "shape": m.shape, "dtype": m.dtype, "mp": mp_local, "prefix": prefix,
+        "shape": m.shape, "dtype": m.dtype, "mp": mp_local, "prefix": prefix, "whole": whole,
     }  # fmt: skip
     return y.reshape(B, S, H), aux, cache
 
@@ -140,11 +147,15 @@ def ep_moe_backward(dy, cache, daux):
         back = dx.exchange(ep, dx.to_sources(dxs, counts), c["recv_rows"], c["send_rows"], mode,
                            "dispatch")  # fmt: skip
     dbufs = dx.unpack(back, n, P, [o.shape for o in c["outb"]], dtype)
-    dm = np.zeros((dflat.shape[0], shape[2]), dtype)
+    dm = None if c["whole"] else np.zeros((dflat.shape[0], shape[2]), dtype)
     drouter = np.zeros(mp["router"].shape, arith_dtype(mp["router"].dtype))
     for idx, r, dbuf, (_, dgates) in zip(c["groups"], c["routes"], dbufs, pairs):
         du_r, dr = route_backward(dgates, daux / len(c["routes"]), r)
-        dm[idx] = down(up(dispatch_backward(dbuf, r)) + up(du_r), dtype)
+        du = down(up(dispatch_backward(dbuf, r)) + up(du_r), dtype)
+        if dm is None:  # the one group of every token, in order
+            dm = du
+        else:
+            dm[idx] = du
         drouter += up(dr)
     # (El, ...) each; one local expert: its gradient as experts_backward returned it (fresh)
     out = {k: g[0] if len(g) == 1 else np.concatenate(g, axis=0) for k, g in grads.items()}
