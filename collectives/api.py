@@ -1,16 +1,17 @@
 """The functional API, torch.distributed-like: `comm` first, new arrays out, inputs untouched.
 
     y = all_reduce(comm, x, op="sum", algorithm="auto")     # every rank: the reduction
-    y = reduce_scatter(comm, x, op="sum")                    # rank r: rows chunk r of axis 0
-    y = all_gather(comm, x, sizes=None)                      # concat along axis 0
+    y = reduce_scatter(comm, x, op="sum", axis=0)            # rank r: chunk r of axis `axis`
+    y = all_gather(comm, x, sizes=None, axis=0)              # concat along axis `axis`
     y = broadcast(comm, x, root=0, out=None)                 # out=: into the caller's buffer
     y = reduce(comm, x, root=0, op="sum")                    # None off root
     y = all_to_all(comm, x); ys = all_to_allv(comm, [x_to_0, x_to_1, ...], recv_counts=None)
     y = gather(comm, x, root=0, sizes=None); y = scatter(comm, chunks, root=0, shape=, dtype=)
     barrier(comm)
 
-Chunking: axis 0 (rows) is split like np.array_split - with n rows over p ranks the first
-n % p ranks get one extra row; an all-reduce chunks the flattened array the same way.
+Chunking: axis 0 (rows; or reduce_scatter's / all_gather's `axis=`) is split like np.array_split -
+with n rows over p ranks the first n % p ranks get one extra row; an all-reduce chunks the
+flattened array the same way.
 Every call runs inside `comm.collective(op, algorithm, array, extra)`: the ledger labels its
 bytes and all ranks are checked to issue the same call (op, algorithm, shape, dtype, extra).
 Calls whose inputs legitimately differ per rank (all_to_allv, uneven gathers) check array=None
@@ -20,6 +21,7 @@ and put the agreed parameters in `extra` instead. Byte counts: cost.py. Ops/dtyp
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 
@@ -104,11 +106,19 @@ def all_reduce(comm, x, op: str = "sum", algorithm: str = "auto") -> np.ndarray:
         return _ALL_REDUCE[algo](comm, _flat(x), op).reshape(x.shape)
 
 
-def reduce_scatter(comm, x, op: str = "sum", algorithm: str = "ring") -> np.ndarray:
-    """Reduce, and keep rows chunk `rank` of axis 0: (n,...) -> (counts[rank], ...)."""
+def reduce_scatter(comm, x, op: str = "sum", algorithm: str = "ring", axis: int = 0):
+    """Reduce, and keep rows chunk `rank` of axis 0: (n,...) -> (counts[rank], ...).
+
+    ``axis``: the axis to cut instead (negative counts from the end, as in NumPy): rank r
+    keeps np.array_split(total, p, axis)[r], a new C-contiguous array. The same messages and
+    bytes as the axis-0 call on np.moveaxis(x, axis, 0) (the ring steps on strided chunks; no
+    transpose of the whole array), bitwise the same values; the call check includes the axis
+    (in `extra`, only when it is not 0, so axis-0 records are unchanged)."""
     x = _array(x, "reduce_scatter")
     _op(op, x.dtype, "reduce_scatter")
     algo = _choose("reduce_scatter", algorithm, ("ring",))
+    if axis:
+        return _reduce_scatter_axis(comm, x, op, algo, _axis(axis, x, "reduce_scatter"))
     rows, rest = _rows(x, "reduce_scatter"), x.shape[1:]
     with comm.collective("reduce_scatter", algo, x, extra=f"op={op}"):
         rc = cost.chunk_counts(rows, comm.size)
@@ -118,10 +128,17 @@ def reduce_scatter(comm, x, op: str = "sum", algorithm: str = "ring") -> np.ndar
         return finalize(op, out, comm.size).reshape((rc[comm.rank], *rest))
 
 
-def all_gather(comm, x, algorithm: str = "ring", sizes=None) -> np.ndarray:
-    """Concatenate every rank's x along axis 0. Uneven row counts: pass sizes[j] = rows of j."""
+def all_gather(comm, x, algorithm: str = "ring", sizes=None, axis: int = 0) -> np.ndarray:
+    """Concatenate every rank's x along axis 0. Uneven row counts: pass sizes[j] = rows of j.
+
+    ``axis``: concatenate along that axis instead (negative counts from the end, as in NumPy;
+    sizes[j] is then rank j's length along it): np.concatenate(xs, axis), a new C-contiguous
+    array. The same messages and bytes as the axis-0 call on np.moveaxis(x, axis, 0), no
+    transposes; the call check includes the axis (in `extra`, only when it is not 0)."""
     x = _array(x, "all_gather")
     algo = _choose("all_gather", algorithm, ("ring",))
+    if axis:
+        return _all_gather_axis(comm, x, algo, sizes, _axis(axis, x, "all_gather"))
     rows, rest = _rows(x, "all_gather"), x.shape[1:]
     rs = _sizes(comm, sizes, rows, "all_gather")
     arr, extra = (x, "") if sizes is None else (None, f"{x.dtype}, row={rest}, sizes={rs}")
@@ -132,7 +149,49 @@ def all_gather(comm, x, algorithm: str = "ring", sizes=None) -> np.ndarray:
         return out.reshape((sum(rs), *rest))
 
 
-def _sizes(comm, sizes, rows: int, what: str) -> list[int]:
+def _axis(axis, x: np.ndarray, what: str) -> int:
+    """axis normalised to 0..ndim-1 (NumPy's rule for negative axes), or a ValueError."""
+    try:
+        a = operator.index(axis)
+    except TypeError:
+        raise ValueError(f"{what}: axis must be an integer; got {axis!r}") from None
+    if not -x.ndim <= a < x.ndim:
+        use = f"use {-x.ndim}..{x.ndim - 1}" if x.ndim else "it needs at least one axis"
+        raise ValueError(f"{what}: axis {a} is out of range for an array with ndim {x.ndim}; {use}")
+    return a % x.ndim
+
+
+def _split3(x: np.ndarray, axis: int):
+    """x as (pre, n, post) around `axis` (a view when x's layout allows, as reshape gives)."""
+    sh = x.shape
+    return x.reshape(math.prod(sh[:axis]), sh[axis], math.prod(sh[axis + 1 :])), sh
+
+
+def _reduce_scatter_axis(comm, x, op: str, algo: str, axis: int) -> np.ndarray:
+    with comm.collective("reduce_scatter", algo, x, extra=f"op={op}, axis={axis}"):
+        x3, sh = _split3(x, axis)
+        rc = cost.chunk_counts(sh[axis], comm.size)
+        out = ring.reduce_scatter_rows(comm, x3, rc, op)
+        out = finalize(op, out, comm.size)
+        return out.reshape((*sh[:axis], rc[comm.rank], *sh[axis + 1 :]))
+
+
+def _all_gather_axis(comm, x, algo: str, sizes, axis: int) -> np.ndarray:
+    sh = x.shape
+    rest = sh[:axis] + sh[axis + 1 :]
+    rs = _sizes(comm, sizes, sh[axis], "all_gather", axis)
+    arr, extra = (
+        (x, f"axis={axis}")
+        if sizes is None
+        else (None, f"{x.dtype}, row={rest}, sizes={rs}, axis={axis}")
+    )
+    with comm.collective("all_gather", algo, arr, extra=extra):
+        x3, _ = _split3(x, axis)
+        out = ring.all_gather_rows(comm, x3, rs)
+        return out.reshape((*sh[:axis], sum(rs), *sh[axis + 1 :]))
+
+
+def _sizes(comm, sizes, rows: int, what: str, axis: int = 0) -> list[int]:
     if sizes is None:
         return [rows] * comm.size
     sizes = [int(s) for s in sizes]
@@ -143,7 +202,7 @@ def _sizes(comm, sizes, rows: int, what: str) -> list[int]:
     if sizes[comm.rank] != rows:
         raise ValueError(
             f"{what}: rank {comm.rank} has {rows} rows but sizes[{comm.rank}] = "
-            f"{sizes[comm.rank]}; sizes must be every rank's axis-0 length"
+            f"{sizes[comm.rank]}; sizes must be every rank's axis-{axis} length"
         )
     return sizes
 

@@ -124,3 +124,58 @@ def all_reduce(comm, x: np.ndarray, op: str) -> np.ndarray:
     counts = _counts(x.size, comm.size)
     mine = finalize(op, reduce_scatter(comm, x, counts, op), comm.size)
     return all_gather(comm, mine, counts)
+
+
+# -- along an inner axis ------------------------------------------------------------------------
+# x viewed as (pre, n, post), chunk i = x3[:, off_i:off_i + rows_i, :] (rows chunked along the
+# middle axis). Each message is that chunk made contiguous, so it holds exactly counts[i] =
+# pre * rows_i * post elements: the messages, bytes and records of the axis-0 call on the
+# moved-axis array, in the same order, with the same arithmetic per element. The sender's copy
+# is the one the backend makes anyway (virtual ranks: the message is the sender's private copy;
+# MPI: the send buffer is made contiguous); receives arrive as new contiguous arrays (handed
+# over, or the buffer MPI receives into) and are stored once into the strided slot.
+
+
+def _rows_step(comm, send, dst: int, src: int, shape: tuple, dt, give: bool):
+    """One ring step of chunks (pre, rows, post): send ``send`` (skipped if empty), receive a
+    ``shape`` chunk (skipped if empty). Both ends know every count, as in ops.exchange."""
+    if shape[0] * shape[1] * shape[2] == 0:
+        if send.size:
+            comm.send(np.ascontiguousarray(send), dst)
+        return np.empty(shape, dt)
+    if send.size == 0:
+        return comm.recv(src, shape=shape, dtype=dt)
+    return comm.sendrecv(send, dst, src, shape=shape, dtype=dt, give=give)
+
+
+def reduce_scatter_rows(comm, x3: np.ndarray, rows, op: str) -> np.ndarray:
+    """x3: (pre, n, post), any strides, never written; rows[i]: rows of chunk i along axis 1.
+    Returns the reduced chunk r, (pre, rows[r], post), a new C-contiguous array."""
+    p, r = comm.world_size, comm.rank
+    if p == 1:
+        return x3.copy()
+    dst, src = (r + 1) % p, (r - 1) % p
+    pre, post, dt = x3.shape[0], x3.shape[2], x3.dtype
+    acc = None  # the partial received last step: it is the one we forward next (we own it)
+    for s, (a, _b, c, d) in enumerate(_steps(tuple(rows), r, False)):
+        send = x3[:, a:_b] if s == 0 else acc
+        got = _rows_step(comm, send, dst, src, (pre, d - c, post), dt, s > 0)
+        acc = combine(op, got, x3[:, c:d])
+    return acc
+
+
+def all_gather_rows(comm, mine: np.ndarray, rows) -> np.ndarray:
+    """mine: (pre, rows[r], post). Returns (pre, sum(rows), post), chunk j along axis 1 from
+    rank j, a new C-contiguous array."""
+    p, r = comm.world_size, comm.rank
+    rows = tuple(rows)
+    pre, post, dt = mine.shape[0], mine.shape[2], mine.dtype
+    out = np.empty((pre, sum(rows), post), dt)
+    lo = offsets(rows)[r]
+    out[:, lo : lo + rows[r]] = mine
+    dst, src = (r + 1) % p, (r - 1) % p
+    held = mine  # step 0 sends our own chunk; step s sends the chunk step s-1 received
+    for s, (_a, _b, c, d) in enumerate(_steps(rows, r, True)):
+        held = _rows_step(comm, held, dst, src, (pre, d - c, post), dt, s > 0)
+        out[:, c:d] = held
+    return out
