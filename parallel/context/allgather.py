@@ -19,13 +19,12 @@ from parallel.context.core import heads, merge, probs_backward, scores, softmax_
 
 def _gather(comm, x):
     """(B, S_local, H) on every rank -> (B, S, H) in rank order; one ring all-gather."""
-    xt = x.transpose(1, 0, 2)  # (S_local, B, H): all_gather concatenates axis 0
-    return all_gather(comm, xt).transpose(1, 0, 2)  # (B, S, H), a view of the gathered buffer
+    return all_gather(comm, x, axis=1)  # (B, S, H), contiguous: no transposed copies
 
 
 def _reduce_scatter(comm, g):
     """(B, S, H) partial sums on every rank -> this rank's (B, S_local, H) rows, summed."""
-    return reduce_scatter(comm, g.transpose(1, 0, 2)).transpose(1, 0, 2)
+    return reduce_scatter(comm, g, axis=1)  # (B, S_local, H), contiguous
 
 
 def _probs(cache):

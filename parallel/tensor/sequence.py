@@ -18,8 +18,9 @@ the backward) adds 2 all-gathers per layer, (R-1)/R B S H w each (+25% bytes), f
 activation at S/R. parallel/tensor/cost.py counts all three; examples/04 shows them side by
 side, measured.
 
-Layout: activations are (B, S, H) but the collectives cut axis 0, so each crossing moves the
-sequence to the front, (S, B, H), contiguous; rank r owns positions r*S/R .. (r+1)*S/R - 1.
+Layout: activations are (B, S, H) and the collectives cut axis 1 (``axis=1``: the ring steps on
+the strided (B, S/R, H) chunks, the same messages and bytes as the axis-0 call on the (S, B, H)
+transpose, with no transposed copies); rank r owns positions r*S/R .. (r+1)*S/R - 1.
 The LayerNorm (and row-parallel bias, and position-embedding) gradients of a rank cover only its
 positions, so after the backward they are summed over the group: ``reduce_partial_grads``.
 Shape letters: B batch, S full sequence, H d_model, R the tensor-parallel group size;
@@ -55,15 +56,13 @@ def scatter_seq(x: np.ndarray, R: int, rank: int) -> np.ndarray:
 
 def gather_seq(tp, x: np.ndarray) -> np.ndarray:
     """All-gather along the sequence: (B, S/R, H) on each rank -> (B, S, H) on every rank."""
-    y = all_gather(tp, np.ascontiguousarray(x.transpose(1, 0, 2)))  # (S, B, H)
-    return y.transpose(1, 0, 2)  # (B, S, H), a view of the gathered buffer
+    return all_gather(tp, x, axis=1)  # (B, S, H), contiguous: the ring steps on strided chunks
 
 
 def reduce_scatter_seq(tp, x: np.ndarray) -> np.ndarray:
     """Reduce-scatter along the sequence: partial sums (B, S, H) -> this rank's (B, S/R, H)."""
     check_sequence(x.shape[1], tp.size)
-    y = reduce_scatter(tp, np.ascontiguousarray(x.transpose(1, 0, 2)))  # (S/R, B, H)
-    return y.transpose(1, 0, 2)
+    return reduce_scatter(tp, x, axis=1)  # (B, S/R, H), contiguous
 
 
 def partial_grad_names(names) -> list[str]:
