@@ -117,8 +117,8 @@ def reduce_scatter(comm, x, op: str = "sum", algorithm: str = "ring", axis: int 
     x = _array(x, "reduce_scatter")
     _op(op, x.dtype, "reduce_scatter")
     algo = _choose("reduce_scatter", algorithm, ("ring",))
-    if axis:
-        return _reduce_scatter_axis(comm, x, op, algo, _axis(axis, x, "reduce_scatter"))
+    if axis and (a := _axis(axis, x, "reduce_scatter")):  # (a negative axis may name 0)
+        return _reduce_scatter_axis(comm, x, op, algo, a)
     rows, rest = _rows(x, "reduce_scatter"), x.shape[1:]
     with comm.collective("reduce_scatter", algo, x, extra=f"op={op}"):
         rc = cost.chunk_counts(rows, comm.size)
@@ -137,8 +137,8 @@ def all_gather(comm, x, algorithm: str = "ring", sizes=None, axis: int = 0) -> n
     transposes; the call check includes the axis (in `extra`, only when it is not 0)."""
     x = _array(x, "all_gather")
     algo = _choose("all_gather", algorithm, ("ring",))
-    if axis:
-        return _all_gather_axis(comm, x, algo, sizes, _axis(axis, x, "all_gather"))
+    if axis and (a := _axis(axis, x, "all_gather")):  # (a negative axis may name 0)
+        return _all_gather_axis(comm, x, algo, sizes, a)
     rows, rest = _rows(x, "all_gather"), x.shape[1:]
     rs = _sizes(comm, sizes, rows, "all_gather")
     arr, extra = (x, "") if sizes is None else (None, f"{x.dtype}, row={rest}, sizes={rs}")
