@@ -198,9 +198,10 @@ def _linear_input(tp, c, key, local):
 
 
 def _rows(x):
-    """A gathered (B, S, H) input (under SP a view of the (S, B, H) buffer) in (B, S, H) order
-    in memory: one copy for all of its linear layers, each of which would otherwise copy it
-    to flatten it to (B S, H) rows. The same values in the same layout: the same bits."""
+    """A gathered (B, S, H) input in (B, S, H) order in memory: one copy at most for all of its
+    linear layers, each of which would otherwise copy it to flatten it to (B S, H) rows. The
+    SP all-gather (axis=1) returns it contiguous already, so this copies nothing there; a
+    view from elsewhere is copied once. The same values in the same layout: the same bits."""
     return np.ascontiguousarray(x)
 
 
