@@ -124,8 +124,7 @@ def train_data_parallel(comm, cfg, seed, batches, steps, *, stage="ddp", microba
                 run.params = dict(params)  # the replica's buffers: nothing writes them now
                 run.opt_state = {"step": opt.step_count, "m": opt.m, "v": opt.v}
             else:
-                run.grads = engine.full_grads()
-                run.params, run.opt_state = engine.master_params(), engine.state_dict()
+                run.params, run.grads, run.opt_state = engine.final_state()
             run.memory = mem.snapshot()
             return run
         finally:  # free what this run allocated, even on an error

@@ -237,16 +237,30 @@ class ZeroOptimizer:
         """{name: full array}: every rank's shards joined, each layout once per group on virtual
         ranks (affinity.shared_map: the group's ranks share the joined buffers). Each rank gets
         its own views."""
-        every = self.comm.allgather_object(shards)
+        return self.unshard_many(shards)[0]
+
+    def unshard_many(self, *shards: dict) -> list[dict]:
+        """[_unshard(s) for s in shards] in one exchange: one allgather_object of every rank's
+        dicts and one shared_map over (dict, layout) instead of two per dict (the end of a run
+        unshards the master, the gradients and both moments: 8 control-plane rounds -> 2).
+        The same concatenations of the same shards: the same arrays."""
+        every = self.comm.allgather_object(list(shards))
+        keys = [(k, lay.index) for k in range(len(shards)) for lay in self.layouts]
         flats = affinity.shared_map(
-            self.comm,
-            [lay.index for lay in self.layouts],
-            lambda i: np.concatenate([e[i] for e in every]),
+            self.comm, keys, lambda key: np.concatenate([e[key[0]][key[1]] for e in every])
         )  # (padded,)
-        out = {}
-        for lay in self.layouts:
-            out.update(lay.views(flats[lay.index]))  # views of it: no second copy
-        return out
+        outs = []
+        for k in range(len(shards)):
+            out = {}
+            for lay in self.layouts:
+                out.update(lay.views(flats[k, lay.index]))  # views of it: no second copy
+            outs.append(out)
+        return outs
+
+    def final_state(self) -> tuple[dict, dict, dict]:
+        """(master_params(), full_grads(), state_dict()) in one unshard_many (a run's end)."""
+        params, grads, m, v = self.unshard_many(self.master, self.last_grads, self.m, self.v)
+        return params, grads, {"step": self.step_count, "m": m, "v": v}
 
     def master_params(self) -> dict:
         return self._unshard(self.master)
