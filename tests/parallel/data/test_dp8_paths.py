@@ -125,3 +125,24 @@ def test_train_data_parallel_end_state_matches_the_separate_unshards(monkeypatch
                 n: x.tobytes() for n, x in want.items()
             }
         assert a.opt_state["step"] == b.opt_state["step"] == 2
+
+
+def test_zero_moments_read_before_the_first_step_are_zeros():
+    """ZeroOptimizer's m and v start unset (np.empty): state_dict before any step, and the
+    m / v properties, give zeros whatever the memory held; the ledger charged their bytes."""
+    cfg = tiny()
+    params = init_params(cfg, 0)
+
+    def body(comm):
+        opt = ZeroOptimizer(comm, params, 1, mem=comm.memory)
+        charged = comm.memory.current("optimizer")
+        for a in (*opt._m.values(), *opt._v.values()):  # what np.empty may hand back
+            a[...] = np.nan
+        st = opt.state_dict()
+        opt.close()
+        return charged, st, opt.m, sum(lay.shard for lay in opt.layouts)
+
+    for charged, st, m, shard in emulator.spawn(body, 3, timeout=60):
+        assert charged == 2 * 8 * shard and st["step"] == 0
+        assert all(not a.any() for a in (*st["m"].values(), *st["v"].values()))
+        assert all(not a.any() for a in m.values())
