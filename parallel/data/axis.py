@@ -249,9 +249,12 @@ class DataAxis(Accumulate):
         arrays (gathered over each part's group under ZeRO, uncounted)."""
         if self.engines:
             params, grads = {}, {}
-            for engine in self.engines:
-                params |= engine.master_params()
-                grads |= engine.full_grads() if engine.step_count else {}
+            for engine in self.engines:  # one unshard of both (parallel/data/zero.py)
+                if engine.step_count:
+                    p, g = engine.unshard_many(engine.master, engine.last_grads)
+                    params, grads = params | p, grads | g
+                else:
+                    params |= engine.master_params()
             return {n: params[n] for n in self.master}, grads
         if isinstance(self.opt, BucketAdamW):  # views of its buffers: no step writes them now
             return dict(self.master), self.last_grads

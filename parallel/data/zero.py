@@ -63,7 +63,8 @@ class ZeroOptimizer:
         else:  # name lists -> layouts (FSDP units)
             units = [make_layout(i, {n: shapes[n] for n in u}, D) for i, u in enumerate(units)]
         self.layouts = units
-        self.full, self.master, self.pshard, self.m, self.v, self.gshard = {}, {}, {}, {}, {}, {}
+        self.full, self.master, self.pshard, self._m, self._v, self.gshard = {}, {}, {}, {}, {}, {}
+        self._unset = True  # the moments hold no values yet (np.empty): see the m property
         self.wshard = {}
         for lay in units:
             i, own = lay.index, lay.owned(r)
@@ -74,7 +75,8 @@ class ZeroOptimizer:
             else:  # the owned slice only: (shard,) master dtype
                 self.master[i] = lay.flatten(local_params, self.mdt, own)
                 self.pshard[i] = down(self.master[i], self.cdt) if self.mixed else self.master[i]
-            self.m[i], self.v[i] = np.zeros(lay.shard, self.mdt), np.zeros(lay.shard, self.mdt)
+            # unset, standing for zeros: the first step writes them (BucketAdamW's reason)
+            self._m[i], self._v[i] = np.empty(lay.shard, self.mdt), np.empty(lay.shard, self.mdt)
             self.gshard[i] = np.zeros(lay.shard, self.cdt)
             if norm_weights:
                 w = lay.flatten({n: np.full(s, norm_weights.get(n, 1.0)) for n, s in
@@ -87,6 +89,32 @@ class ZeroOptimizer:
         self.gathered: dict[int, np.ndarray] = {}
         self.step_count, self.last_grads, self.reduced = 0, {}, set()
         self._account()
+
+    # -- Adam moments: unset until the first step writes them --------------------------------
+    def _zeroed(self) -> None:
+        if self._unset:  # a reader before the first step: the zeros they stand for
+            for a in (*self._m.values(), *self._v.values()):
+                a[...] = 0
+            self._unset = False
+
+    @property
+    def m(self) -> dict:
+        """{unit: owned first-moment shard}; zero-filled first if no step has written it."""
+        self._zeroed()
+        return self._m
+
+    @m.setter
+    def m(self, value: dict) -> None:
+        self._m = value
+
+    @property
+    def v(self) -> dict:
+        self._zeroed()
+        return self._v
+
+    @v.setter
+    def v(self, value: dict) -> None:
+        self._v = value
 
     # -- memory ledger: the static state of this rank, by category -----------------------------
     def _account(self) -> None:
@@ -108,7 +136,7 @@ class ZeroOptimizer:
             )
             entries.append(("grads", f"{self.label}u{i}.grads", grads))
             entries.append(
-                ("optimizer", f"{self.label}u{i}.adam", self.m[i].nbytes + self.v[i].nbytes)
+                ("optimizer", f"{self.label}u{i}.adam", self._m[i].nbytes + self._v[i].nbytes)
             )
             for cat, name, nbytes in entries:
                 self.mem.alloc(cat, name, nbytes)
@@ -196,10 +224,12 @@ class ZeroOptimizer:
         all-gather; 3: the compute shard)."""
         scale_(self.gshard, coef)
         self.step_count += 1
+        fresh, self._unset = self._unset, False  # unset moments: this step writes them first
         for lay in self.layouts:
             i = lay.index
             g = self.gshard[i]
-            adamw_update(self.master[i], g, self.m[i], self.v[i], self.step_count, **self.hyper)
+            adamw_update(self.master[i], g, self._m[i], self._v[i], self.step_count,
+                         **self.hyper, fresh=fresh)  # fmt: skip
             g[...] = 0
             self._publish(lay)
 
@@ -237,16 +267,30 @@ class ZeroOptimizer:
         """{name: full array}: every rank's shards joined, each layout once per group on virtual
         ranks (affinity.shared_map: the group's ranks share the joined buffers). Each rank gets
         its own views."""
-        every = self.comm.allgather_object(shards)
+        return self.unshard_many(shards)[0]
+
+    def unshard_many(self, *shards: dict) -> list[dict]:
+        """[_unshard(s) for s in shards] in one exchange: one allgather_object of every rank's
+        dicts and one shared_map over (dict, layout) instead of two per dict (the end of a run
+        unshards the master, the gradients and both moments: 8 control-plane rounds -> 2).
+        The same concatenations of the same shards: the same arrays."""
+        every = self.comm.allgather_object(list(shards))
+        keys = [(k, lay.index) for k in range(len(shards)) for lay in self.layouts]
         flats = affinity.shared_map(
-            self.comm,
-            [lay.index for lay in self.layouts],
-            lambda i: np.concatenate([e[i] for e in every]),
+            self.comm, keys, lambda key: np.concatenate([e[key[0]][key[1]] for e in every])
         )  # (padded,)
-        out = {}
-        for lay in self.layouts:
-            out.update(lay.views(flats[lay.index]))  # views of it: no second copy
-        return out
+        outs = []
+        for k in range(len(shards)):
+            out = {}
+            for lay in self.layouts:
+                out.update(lay.views(flats[k, lay.index]))  # views of it: no second copy
+            outs.append(out)
+        return outs
+
+    def final_state(self) -> tuple[dict, dict, dict]:
+        """(master_params(), full_grads(), state_dict()) in one unshard_many (a run's end)."""
+        params, grads, m, v = self.unshard_many(self.master, self.last_grads, self.m, self.v)
+        return params, grads, {"step": self.step_count, "m": m, "v": v}
 
     def master_params(self) -> dict:
         return self._unshard(self.master)
