@@ -125,7 +125,11 @@ def test_groups_none_is_one_checked_group(dtype, K, cf):
     dy = R.transpose(1, 0, 2)  # a non-contiguous upstream gradient
     n = m.shape[0] * m.shape[1]
     runs = {}
-    for name, groups in (("none", None), ("arange", [np.arange(n)]), ("perm", [np.arange(n)[::-1]])):
+    for name, groups in (
+        ("none", None),
+        ("arange", [np.arange(n)]),
+        ("perm", [np.arange(n)[::-1]]),
+    ):
         y, aux, cache = moe.moe_forward(mp, m, groups, top_k=K, capacity_factor=cf)
         dm, dmp = moe.moe_backward(dy, cache, 0.3)
         runs[name] = (y, aux, dm, dmp, saved_nbytes(cache, exclude=list(mp.values())))
