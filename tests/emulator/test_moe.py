@@ -109,3 +109,42 @@ def test_ties_capacity_and_groups():
         moe.moe_forward(mp, np.ones((1, 3, 2)), [np.array([0, 1])], top_k=1, capacity_factor=1)
     with pytest.raises(ValueError, match="non-empty"):
         moe.moe_forward(mp, np.ones((1, 3, 2)), [np.arange(3), []], top_k=1, capacity_factor=1)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("K,cf", [(1, 0.5), (2, 1.25), (2, 4.0)])
+def test_groups_none_is_one_checked_group(dtype, K, cf):
+    """groups=None skips check_groups and the gather / scatter of its one whole group: the same
+    bits as the checked group [arange(N)], the same saved bytes (the cache keeps the arange),
+    the token loop's values; and a lone permuted group still goes through the scatter."""
+    from emulator.memory import saved_nbytes
+
+    rng = np.random.default_rng(K * 10 + int(cf * 4))
+    mp = {k: v.astype(dtype) for k, v in _params(rng, 3, 4, 4).items()}
+    m, R = rng.normal(size=(2, 5, 3)).astype(dtype), rng.normal(size=(5, 2, 3)).astype(dtype)
+    dy = R.transpose(1, 0, 2)  # a non-contiguous upstream gradient
+    n = m.shape[0] * m.shape[1]
+    runs = {}
+    for name, groups in (
+        ("none", None),
+        ("arange", [np.arange(n)]),
+        ("perm", [np.arange(n)[::-1]]),
+    ):
+        y, aux, cache = moe.moe_forward(mp, m, groups, top_k=K, capacity_factor=cf)
+        dm, dmp = moe.moe_backward(dy, cache, 0.3)
+        runs[name] = (y, aux, dm, dmp, saved_nbytes(cache, exclude=list(mp.values())))
+    (y, aux, dm, dmp, nb), (y2, aux2, dm2, dmp2, nb2) = runs["none"], runs["arange"]
+    assert y.tobytes() == y2.tobytes() and aux == aux2 and dm.tobytes() == dm2.tobytes()
+    assert y.dtype == y2.dtype == dm.dtype == dm2.dtype == dtype
+    assert all(dmp[k].tobytes() == dmp2[k].tobytes() for k in mp) and nb == nb2
+    y_ref, aux_ref = _naive(m.astype(np.float64), {k: v.astype(np.float64) for k, v in mp.items()},
+                            [np.arange(n)], K, cf)  # fmt: skip
+    tol = 1e-12 if dtype == np.float64 else 1e-5
+    assert_close("y", y, y_ref, rtol=tol, atol=tol)
+    assert abs(aux - aux_ref) < tol
+    # the reversed group routes the tokens in another order (capacity drops differ), but its
+    # outputs are scattered back to token order: the token loop over that group says so
+    y_p, aux_p = _naive(m.astype(np.float64), {k: v.astype(np.float64) for k, v in mp.items()},
+                        [np.arange(n)[::-1]], K, cf)  # fmt: skip
+    assert_close("y perm", runs["perm"][0], y_p, rtol=tol, atol=tol)
+    assert abs(runs["perm"][1] - aux_p) < tol
