@@ -150,42 +150,30 @@ def moe_forward(mp, m, groups, *, top_k, capacity_factor):
     aux is the unweighted mean of the groups' aux losses (one group of all tokens if None).
     """
     B, S, H = m.shape
-    # None: one group of every token in order, a partition by construction (no check_groups),
-    # whose result is combine's as is (no y[idx] scatter; parallel/expert/layer.py does the
-    # same). The cache keeps the arange (its N ints are in the memory figures, flops.py
-    # moe_group_bytes) and the flag, so the backward skips the gather / scatter too.
-    whole = groups is None
-    groups = [np.arange(B * S)] if whole else check_groups(groups, B * S)
+    groups = check_groups([np.arange(B * S)] if groups is None else groups, B * S)
     flat = m.reshape(B * S, H)
-    y = None if whole else np.empty_like(flat)
+    y = np.empty_like(flat)
     caches = []
     for idx in groups:  # loop over routing groups, not tokens
         r = route(flat[idx], mp["router"], top_k, capacity_factor)
         out, ecache = experts_forward(dispatch(r["u"], r), mp["w1"], mp["b1"], mp["w2"], mp["b2"])
-        if whole:
-            y = combine(out, r)
-        else:
-            y[idx] = combine(out, r)
+        y[idx] = combine(out, r)
         caches.append((idx, r, out, ecache))
     aux = sum(c[1]["aux"] for c in caches) / len(caches)
-    return y.reshape(B, S, H), aux, (caches, m.shape, m.dtype, mp, whole)
+    return y.reshape(B, S, H), aux, (caches, m.shape, m.dtype, mp)
 
 
 def moe_backward(dy, cache, daux):
     """dy (B, S, H), daux = dloss/daux -> (dm (B, S, H), dmp with local names)."""
-    caches, shape, dtype, mp, whole = cache
+    caches, shape, dtype, mp = cache
     dflat = dy.reshape(-1, shape[2])
-    dm = None if whole else np.zeros((dflat.shape[0], shape[2]), dtype)
+    dm = np.zeros((dflat.shape[0], shape[2]), dtype)
     grads = {n: np.zeros(mp[n].shape, arith_dtype(mp[n].dtype)) for n in mp}
     for idx, r, out, ecache in caches:
-        dout, dgates = combine_backward(dflat if whole else dflat[idx], out, r)
+        dout, dgates = combine_backward(dflat[idx], out, r)
         dbuf, *dexp = experts_backward(dout, ecache)
         du_r, drouter = route_backward(dgates, daux / len(caches), r)
-        dmi = down(up(dispatch_backward(dbuf, r)) + up(du_r), dtype)
-        if whole:  # the one group of every token in order: dm is its result
-            dm = dmi
-        else:
-            dm[idx] = dmi
+        dm[idx] = down(up(dispatch_backward(dbuf, r)) + up(du_r), dtype)
         for n, g in zip(("w1", "b1", "w2", "b2", "router"), (*dexp, drouter)):
             grads[n] += up(g)
     return dm.reshape(shape), {n: down(g, mp[n].dtype) for n, g in grads.items()}

@@ -20,33 +20,28 @@ from emulator.precision import down, up
 FLAT_MAX = 1 << 14  # elements: below this a tensor's 14 NumPy calls cost more than its copy
 
 
-def adamw_update(p, g, m, v, step, *, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                 fresh=False):  # fmt: skip
+def adamw_update(p, g, m, v, step, *, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0):
     """One AdamW step in place on p, m, v (same shape, the master dtype); g may be bf16.
 
     The order of operations is torch's ``_single_tensor_adamw``: decay, moments, then
     p += -(lr / bc1) * (m / (sqrt(v) / sqrt(bc2) + eps)).
-    ``fresh``: m and v stand for zeros but are unset memory (np.empty: no memset of them at
-    construction), which this step writes without reading: m = (1 - b1) g + 0.0, v likewise,
-    the bits of b1 * 0 + (1 - b1) g (0 * b1 is +0.0 for the finite b1 >= 0 check_hyper
-    allows, and IEEE addition commutes: -0.0 becomes +0.0 either way, a NaN stays g's).
     """
     if step < 1:
         raise ValueError(f"adamw_update: step counts from 1, got {step}")
-    fn = _adamw_fn(step, lr, betas, eps, weight_decay, fresh)
+    fn = _adamw_fn(step, lr, betas, eps, weight_decay)
     in_halves(fn, p, g.astype(p.dtype, copy=False), m, v)  # two threads for large arrays
 
 
-def _adamw_fn(step, lr, betas, eps, weight_decay, fresh=False):
+def _adamw_fn(step, lr, betas, eps, weight_decay):
     """-> fn(p, g, m, v): one adamw_update, elementwise (a halves ROWS job's function)."""
     b1, b2 = betas
     step_size, bc2 = lr / (1.0 - b1**step), math.sqrt(1.0 - b2**step)
     decay = 1.0 - lr * weight_decay if weight_decay != 0.0 else None
     return functools.partial(_moments_and_step, b1=b1, b2=b2, bc2=bc2, eps=eps,
-                             step_size=step_size, decay=decay, fresh=fresh)  # fmt: skip
+                             step_size=step_size, decay=decay)  # fmt: skip
 
 
-def _moments_and_step(p, g, m, v, *, b1, b2, bc2, eps, step_size, decay, fresh=False):
+def _moments_and_step(p, g, m, v, *, b1, b2, bc2, eps, step_size, decay):
     """p *= decay (decoupled weight decay, Loshchilov & Hutter 2019; None: none); m += (1 - b1)
     g; v += (1 - b2) g^2; p -= step_size (m / (sqrt(v) / bc2 + eps)): these operations, in one
     scratch buffer t instead of eight temporaries (a product with a scalar commutes bitwise). p
@@ -54,26 +49,19 @@ def _moments_and_step(p, g, m, v, *, b1, b2, bc2, eps, step_size, decay, fresh=F
     if decay is not None:
         p *= decay
     t = np.empty_like(p)
-    _moments_into(g, m, v, t, b1=b1, b2=b2, bc2=bc2, eps=eps, step_size=step_size, fresh=fresh)
+    _moments_into(g, m, v, t, b1=b1, b2=b2, bc2=bc2, eps=eps, step_size=step_size)
     p -= t
 
 
-def _moments_into(g, m, v, t, *, b1, b2, bc2, eps, step_size, fresh=False):
-    """m += (1 - b1) g, v += (1 - b2) g^2 in place; t = step_size (m / (sqrt(v) / bc2 + eps)).
-    fresh: m, v stand for zeros (unset memory): written, not read (adamw_update)."""
+def _moments_into(g, m, v, t, *, b1, b2, bc2, eps, step_size):
+    """m += (1 - b1) g, v += (1 - b2) g^2 in place; t = step_size (m / (sqrt(v) / bc2 + eps))."""
     np.multiply(g, 1.0 - b1, out=t)
-    if fresh:
-        np.add(t, 0.0, out=m)
-    else:
-        m *= b1
-        m += t
+    m *= b1
+    m += t
     np.multiply(g, g, out=t)
     t *= 1.0 - b2
-    if fresh:
-        np.add(t, 0.0, out=v)
-    else:
-        v *= b2
-        v += t
+    v *= b2
+    v += t
     np.sqrt(v, out=t)
     t /= bc2
     t += eps

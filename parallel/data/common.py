@@ -32,15 +32,7 @@ def rebind(obj, table: dict):
     backward; rebinding the saved caches to the re-gathered arrays makes the backward provably
     run on the second gather, not on memory the ledger says was freed.
     """
-    t = type(obj)  # the exact types first: one test each instead of up to three isinstance
-    if t is np.ndarray:
-        return table.get(id(obj), obj)
-    if t is dict:
-        return {k: rebind(v, table) for k, v in obj.items()}
-    if t is list or t is tuple:  # a comprehension, not type(obj)(generator): the same items
-        out = [rebind(v, table) for v in obj]
-        return out if t is list else tuple(out)
-    if isinstance(obj, np.ndarray):  # subclasses: as before
+    if isinstance(obj, np.ndarray):
         return table.get(id(obj), obj)
     if isinstance(obj, dict):
         return {k: rebind(v, table) for k, v in obj.items()}

@@ -37,41 +37,12 @@ class BucketAdamW:
         # this rank's own copy
         self.flats = [lay.flatten(params, dtype) if f else lay.blank(dtype)
                       for lay, f in zip(layouts, fill, strict=True)]  # fmt: skip
-        # the moments start as zeros but unset (np.empty: a memset of 2 Psi elements per rank
-        # and run saved, ~17 M instructions of a DDP spawn at H 64): the first step writes
-        # them without reading (adamw_update fresh=True); a reader before it (m, v,
-        # state_dict, m_flats) gets them zero-filled first (_zeroed)
-        self._m_flats = [np.empty(lay.padded, dtype) for lay in layouts]
-        self._v_flats = [np.empty(lay.padded, dtype) for lay in layouts]
-        self._unset = True
+        self.m_flats = [np.zeros(lay.padded, dtype) for lay in layouts]
+        self.v_flats = [np.zeros(lay.padded, dtype) for lay in layouts]
         order = list(params)
         self.params = self._views(self.flats, order)
-        self._m, self._v = self._views(self._m_flats, order), self._views(self._v_flats, order)
+        self.m, self.v = self._views(self.m_flats, order), self._views(self.v_flats, order)
         self.step_count = 0
-
-    def _zeroed(self):
-        """The moments, zero-filled if no step has written them yet (then they stand for 0)."""
-        if self._unset:
-            for flat in self._m_flats + self._v_flats:
-                flat[...] = 0
-            self._unset = False
-        return self
-
-    @property
-    def m(self) -> dict:
-        return self._zeroed()._m
-
-    @property
-    def v(self) -> dict:
-        return self._zeroed()._v
-
-    @property
-    def m_flats(self) -> list:
-        return self._zeroed()._m_flats
-
-    @property
-    def v_flats(self) -> list:
-        return self._zeroed()._v_flats
 
     def _views(self, flats: list, order: list) -> dict:
         views = {}
@@ -85,16 +56,15 @@ class BucketAdamW:
             raise ValueError(f"BucketAdamW.step: {len(grad_flats)} flat gradients for "
                              f"{len(self.layouts)} buckets")  # fmt: skip
         self.step_count += 1
-        fresh, self._unset = self._unset, False  # unset moments: this step writes them first
-        for lay, p, g, m, v in zip(self.layouts, self.flats, grad_flats, self._m_flats,
-                                   self._v_flats):  # fmt: skip
+        for lay, p, g, m, v in zip(self.layouts, self.flats, grad_flats, self.m_flats,
+                                   self.v_flats):  # fmt: skip
             rows = (lay.D, lay.shard)  # D rows, so two threads may split it (emulator/halves.py)
             adamw_update(p.reshape(rows), g.reshape(rows), m.reshape(rows), v.reshape(rows),
-                         self.step_count, **self.hyper, fresh=fresh)  # fmt: skip
+                         self.step_count, **self.hyper)  # fmt: skip
 
     def state_dict(self) -> dict:
         return {"step": self.step_count, "m": self.m, "v": self.v, **self.hyper}
 
     def nbytes(self) -> int:
         """AdamW's figure: m and v of the real elements (the padding is not optimizer state)."""
-        return sum(a.nbytes for a in self._m.values()) + sum(a.nbytes for a in self._v.values())
+        return sum(a.nbytes for a in self.m.values()) + sum(a.nbytes for a in self.v.values())

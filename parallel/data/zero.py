@@ -63,8 +63,7 @@ class ZeroOptimizer:
         else:  # name lists -> layouts (FSDP units)
             units = [make_layout(i, {n: shapes[n] for n in u}, D) for i, u in enumerate(units)]
         self.layouts = units
-        self.full, self.master, self.pshard, self._m, self._v, self.gshard = {}, {}, {}, {}, {}, {}
-        self._unset = True  # the moments hold no values yet (np.empty): see the m property
+        self.full, self.master, self.pshard, self.m, self.v, self.gshard = {}, {}, {}, {}, {}, {}
         self.wshard = {}
         for lay in units:
             i, own = lay.index, lay.owned(r)
@@ -75,8 +74,7 @@ class ZeroOptimizer:
             else:  # the owned slice only: (shard,) master dtype
                 self.master[i] = lay.flatten(local_params, self.mdt, own)
                 self.pshard[i] = down(self.master[i], self.cdt) if self.mixed else self.master[i]
-            # unset, standing for zeros: the first step writes them (BucketAdamW's reason)
-            self._m[i], self._v[i] = np.empty(lay.shard, self.mdt), np.empty(lay.shard, self.mdt)
+            self.m[i], self.v[i] = np.zeros(lay.shard, self.mdt), np.zeros(lay.shard, self.mdt)
             self.gshard[i] = np.zeros(lay.shard, self.cdt)
             if norm_weights:
                 w = lay.flatten({n: np.full(s, norm_weights.get(n, 1.0)) for n, s in
@@ -89,32 +87,6 @@ class ZeroOptimizer:
         self.gathered: dict[int, np.ndarray] = {}
         self.step_count, self.last_grads, self.reduced = 0, {}, set()
         self._account()
-
-    # -- Adam moments: unset until the first step writes them --------------------------------
-    def _zeroed(self) -> None:
-        if self._unset:  # a reader before the first step: the zeros they stand for
-            for a in (*self._m.values(), *self._v.values()):
-                a[...] = 0
-            self._unset = False
-
-    @property
-    def m(self) -> dict:
-        """{unit: owned first-moment shard}; zero-filled first if no step has written it."""
-        self._zeroed()
-        return self._m
-
-    @m.setter
-    def m(self, value: dict) -> None:
-        self._m = value
-
-    @property
-    def v(self) -> dict:
-        self._zeroed()
-        return self._v
-
-    @v.setter
-    def v(self, value: dict) -> None:
-        self._v = value
 
     # -- memory ledger: the static state of this rank, by category -----------------------------
     def _account(self) -> None:
@@ -136,7 +108,7 @@ class ZeroOptimizer:
             )
             entries.append(("grads", f"{self.label}u{i}.grads", grads))
             entries.append(
-                ("optimizer", f"{self.label}u{i}.adam", self._m[i].nbytes + self._v[i].nbytes)
+                ("optimizer", f"{self.label}u{i}.adam", self.m[i].nbytes + self.v[i].nbytes)
             )
             for cat, name, nbytes in entries:
                 self.mem.alloc(cat, name, nbytes)
@@ -224,12 +196,10 @@ class ZeroOptimizer:
         all-gather; 3: the compute shard)."""
         scale_(self.gshard, coef)
         self.step_count += 1
-        fresh, self._unset = self._unset, False  # unset moments: this step writes them first
         for lay in self.layouts:
             i = lay.index
             g = self.gshard[i]
-            adamw_update(self.master[i], g, self._m[i], self._v[i], self.step_count,
-                         **self.hyper, fresh=fresh)  # fmt: skip
+            adamw_update(self.master[i], g, self.m[i], self.v[i], self.step_count, **self.hyper)
             g[...] = 0
             self._publish(lay)
 

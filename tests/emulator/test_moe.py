@@ -114,9 +114,9 @@ def test_ties_capacity_and_groups():
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("K,cf", [(1, 0.5), (2, 1.25), (2, 4.0)])
 def test_groups_none_is_one_checked_group(dtype, K, cf):
-    """groups=None skips check_groups and the gather / scatter of its one whole group: the same
-    bits as the checked group [arange(N)], the same saved bytes (the cache keeps the arange),
-    the token loop's values; and a lone permuted group still goes through the scatter."""
+    """groups=None is one group of every token in order: the same bits and saved bytes as the
+    checked group [arange(N)] (a shortcut for None must keep both), the token loop's values;
+    and a lone permuted group's outputs are scattered back to token order."""
     from emulator.memory import saved_nbytes
 
     rng = np.random.default_rng(K * 10 + int(cf * 4))

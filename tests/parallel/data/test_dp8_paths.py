@@ -1,5 +1,5 @@
-"""The eighth pass's data-parallel fast paths against the code they replace: dp_bytes against
-the ledger's sent/received queries, rebind against its isinstance definition, and
+"""The eighth pass's data-parallel fast paths against the code they replace: dp_step_bytes
+against the ledger's sent/received queries, rebind's replacements and container types, and
 ZeroOptimizer.unshard_many / final_state against one _unshard per dict."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from emulator.data import synthetic_batch
 from emulator.ledger import Ledger, Record
 from parallel.data.common import rebind
 from parallel.data.flat import fsdp_units
-from parallel.data.train import DP_WHATS, dp_bytes
+from parallel.data.train import DP_WHATS, dp_step_bytes
 from parallel.data.zero import ZeroOptimizer
 
 from .helpers import tiny
@@ -23,53 +23,37 @@ def _rec(direction, tag, nbytes):
     return Record("all_gather", "ring", "world", 1, direction, nbytes, 0, tag, 0)
 
 
-def test_dp_bytes_equals_the_ledger_queries():
+def test_dp_step_bytes_equals_the_ledger_queries():
     """Prefix semantics ("dp/gradsX" counts as dp/grads*, "x/dp/grads" does not), both
     directions, tags under none of the three."""
     tags = ["dp/grads/u0@bwd:blocks.1", "dp/params/u1", "dp/clip", "dp/gradsX", "x/dp/grads",
             "tp/fwd", "", "dp/params", "edp/dp/grads/u0", "dp/cliq"]  # fmt: skip
     rng = np.random.default_rng(0)
     recs = [_rec(d, t, int(rng.integers(1, 1000))) for t in tags for d in ("send", "recv")]
-    recs += [_rec("send", t, 7) for t in tags[:4]]  # a tag seen again: its cached prefixes
+    recs += [_rec("send", t, 7) for t in tags[:4]]  # a tag seen again: summed
     ledger = Ledger(0)
     want = {w: (ledger.sent(recs, tag=f"dp/{w}*"), ledger.received(recs, tag=f"dp/{w}*"))
             for w in DP_WHATS}  # fmt: skip
-    assert dp_bytes(recs) == want and want["grads"][0] > 0 and want["clip"][1] > 0
-    assert dp_bytes([]) == dict.fromkeys(DP_WHATS, (0, 0))
-
-
-def _rebind_by_isinstance(obj, table):
-    """rebind's definition before the exact-type fast path."""
-    if isinstance(obj, np.ndarray):
-        return table.get(id(obj), obj)
-    if isinstance(obj, dict):
-        return {k: _rebind_by_isinstance(v, table) for k, v in obj.items()}
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_rebind_by_isinstance(v, table) for v in obj)
-    return obj
+    assert dp_step_bytes(ledger, recs) == want and want["grads"][0] > 0 and want["clip"][1] > 0
+    assert dp_step_bytes(ledger, []) == dict.fromkeys(DP_WHATS, (0, 0))
 
 
 class _Sub(list):
     pass
 
 
-def test_rebind_equals_its_isinstance_definition():
+def test_rebind_replaces_by_id_and_keeps_container_types():
     a, b, c, new_a, new_b = (np.full(3, float(i)) for i in range(5))
     sub = np.arange(3.0).view(np.ma.MaskedArray)  # an ndarray subclass
     cache = {"x": (a, [b, {"y": a, "z": 3}], c), "s": _Sub([b, "k"]), "m": sub, "n": None,
              "t": ((a,),), "l": [[b], ()]}  # fmt: skip
     table = {id(a): new_a, id(b): new_b, id(sub): new_b}
-    got, want = rebind(cache, table), _rebind_by_isinstance(cache, table)
-
-    def shape(o):  # types and identities, recursively
-        if isinstance(o, dict):
-            return ("dict", {k: shape(v) for k, v in o.items()})
-        if isinstance(o, (tuple, list)):
-            return (type(o).__name__, [shape(v) for v in o])
-        return id(o)
-
-    assert shape(got) == shape(want)
+    got = rebind(cache, table)
+    assert type(got["x"]) is tuple and type(got["x"][1]) is list and type(got["s"]) is _Sub
     assert got["x"][0] is new_a and got["x"][1][0] is new_b and got["m"] is new_b
+    assert got["x"][1][1]["y"] is new_a and got["x"][1][1]["z"] == 3 and got["x"][2] is c
+    assert got["s"][0] is new_b and got["s"][1] == "k" and got["n"] is None
+    assert got["t"][0][0] is new_a and got["l"] == [[new_b], ()] and got["l"][1] == ()
     assert got["x"] is not cache["x"] and got["l"][0] is not cache["l"][0]  # copies
 
 
@@ -125,24 +109,3 @@ def test_train_data_parallel_end_state_matches_the_separate_unshards(monkeypatch
                 n: x.tobytes() for n, x in want.items()
             }
         assert a.opt_state["step"] == b.opt_state["step"] == 2
-
-
-def test_zero_moments_read_before_the_first_step_are_zeros():
-    """ZeroOptimizer's m and v start unset (np.empty): state_dict before any step, and the
-    m / v properties, give zeros whatever the memory held; the ledger charged their bytes."""
-    cfg = tiny()
-    params = init_params(cfg, 0)
-
-    def body(comm):
-        opt = ZeroOptimizer(comm, params, 1, mem=comm.memory)
-        charged = comm.memory.current("optimizer")
-        for a in (*opt._m.values(), *opt._v.values()):  # what np.empty may hand back
-            a[...] = np.nan
-        st = opt.state_dict()
-        opt.close()
-        return charged, st, opt.m, sum(lay.shard for lay in opt.layouts)
-
-    for charged, st, m, shard in emulator.spawn(body, 3, timeout=60):
-        assert charged == 2 * 8 * shard and st["step"] == 0
-        assert all(not a.any() for a in (*st["m"].values(), *st["v"].values()))
-        assert all(not a.any() for a in m.values())
