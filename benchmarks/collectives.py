@@ -13,6 +13,9 @@ and all-gather (nccl-tests' PERFORMANCE.md), so busbw is comparable with one lin
 whatever p is. Times are the median over iterations of the slowest rank, each iteration
 starting after a barrier; under MPI ours and native alternate for --rounds rounds, the time
 columns show the best round's and the ratio column the per-round ratio's min / median / max.
+`--unchecked` (MPI) times our collectives a second time in the same rounds on a world made by
+`world_comm(check=False)` - the cross-rank call check off, the same messages and bytes - so the
+table shows what the check costs at each size beside the rest of our layers.
 Virtual ranks: a 64 MiB float32 all-reduce over 8 ranks against the same work done by NumPy in
 one thread (sum of the 8 buffers + 8 copies of the result), then 256 ranks on a small buffer.
 """
@@ -96,6 +99,8 @@ def bench_mpi(args) -> int:
     from emulator.ledger import format_table
     from emulator.mpi import world_comm
 
+    # the unchecked world first: world_comm binds this process's rank state to the last one made
+    bare = world_comm(timeout=120, check=False) if args.unchecked else None
     comm, world = world_comm(timeout=120), MPI.COMM_WORLD
     p, rows = comm.size, []
 
@@ -122,16 +127,21 @@ def bench_mpi(args) -> int:
             x = _input(op, n, p, comm.rank)
             out = np.empty(n // p if op == "reduce_scatter" else n, np.float32)
             it = _iters(nbytes, args.budget)
-            mine, nat = (lambda f=ours_fn, x=x: f(comm, x)), native(op, x, out)
-            mine(), nat()  # warm-up
+            fns = [lambda f=ours_fn, x=x: f(comm, x), native(op, x, out)]
+            if bare is not None:
+                fns.append(lambda f=ours_fn, x=x: f(bare, x))
+            for fn in fns:  # warm-up
+                fn()
             # interleaved rounds (ours, native, ours, ...): a shared machine disturbs single
             # rounds, so the ratio is taken per round and its min / median / max printed
-            rounds = [(timed(mine, it), timed(nat, it)) for _ in range(args.rounds)]
-            ours, theirs = min(r[0] for r in rounds), min(r[1] for r in rounds)
-            ratios = sorted(a / b for a, b in rounds)
-            row = _row(op, 4 * n, ours, p) + _row(op, 4 * n, theirs, p)[2:]
-            mid = float(np.median(ratios))
-            rows.append(row + [f"{ratios[0]:.2f} / {mid:.2f} / {ratios[-1]:.2f}"])
+            rounds = [[timed(fn, it) for fn in fns] for _ in range(args.rounds)]
+            best = [min(r[k] for r in rounds) for k in range(len(fns))]
+            row = _row(op, 4 * n, best[0], p) + _row(op, 4 * n, best[1], p)[2:]
+            row.append(_spread([r[0] / r[1] for r in rounds]))
+            if bare is not None:  # the unchecked call's time, its ratio to native and to ours
+                row += [f"{best[2] * 1e6:.1f}", _spread([r[2] / r[1] for r in rounds]),
+                        _spread([r[2] / r[0] for r in rounds])]  # fmt: skip
+            rows.append(row)
     if comm.rank == 0:
         print(
             f"float32, all_reduce algorithm={args.algorithm!r}, {p} MPI ranks (ours vs mpi4py's "
@@ -148,9 +158,31 @@ def bench_mpi(args) -> int:
             "native busbw",
             "ours/native min/med/max",
         ]
+        if bare is not None:
+            head += ["unchecked us", "unchecked/native", "unchecked/ours"]
         print(format_table(head, rows))
     comm.world.finish(comm)
+    if bare is None:
+        return 0
+    bare.world.finish(bare)
+    # the two worlds made the same calls: the same messages and bytes, the check's labels apart
+    mine, theirs = _traffic(comm), _traffic(bare)
+    if mine != theirs:
+        print(f"rank {comm.rank}: the unchecked world moved other messages than the checked "
+              f"one (messages, bytes sent, received: {theirs} vs {mine})", flush=True)  # fmt: skip
+        return 1
     return 0
+
+
+def _traffic(comm) -> tuple:
+    led = comm.ledger
+    return len(led.records), led.sent(), led.received()
+
+
+def _spread(ratios: list) -> str:
+    """ "min / median / max" of per-round ratios."""
+    r = sorted(ratios)
+    return f"{r[0]:.2f} / {float(np.median(r)):.2f} / {r[-1]:.2f}"
 
 
 def bench_virtual(args) -> int:
@@ -243,6 +275,8 @@ def main(argv=None) -> int:
         "--ops", type=ops_flag, default=",".join(OPS), help=f"comma-separated, from {OPS}"
     )
     ap.add_argument("--rounds", type=cli.positive_int, default=5, help="interleaved rounds (MPI)")
+    ap.add_argument("--unchecked", action="store_true",
+                    help="MPI: also time ours with the cross-rank call check off, same rounds")  # fmt: skip
     ap.add_argument("--ranks", type=cli.ranks_flag, default=8, help="virtual ranks for the table")
     ap.add_argument("--many", type=cli.ranks_flag, default=256, help="ranks for the small case")
     ap.add_argument("--budget", type=cli.positive_int, default=512 * MiB,
