@@ -132,8 +132,8 @@ def bench_mpi(args) -> int:
                 fns.append(lambda f=ours_fn, x=x: f(bare, x))
             for fn in fns:  # warm-up
                 fn()
-            # interleaved rounds (ours, native, ours, ...): a shared machine disturbs single
-            # rounds, so the ratio is taken per round and its min / median / max printed
+            # interleaved rounds (ours, native[, unchecked], ours, ...): a shared machine disturbs
+            # single rounds, so a ratio is taken per round and its min / median / max printed
             rounds = [[timed(fn, it) for fn in fns] for _ in range(args.rounds)]
             best = [min(r[k] for r in rounds) for k in range(len(fns))]
             row = _row(op, 4 * n, best[0], p) + _row(op, 4 * n, best[1], p)[2:]
@@ -169,7 +169,7 @@ def bench_mpi(args) -> int:
     mine, theirs = _traffic(comm), _traffic(bare)
     if mine != theirs:
         print(f"rank {comm.rank}: the unchecked world moved other messages than the checked "
-              f"one (messages, bytes sent, received: {theirs} vs {mine})", flush=True)  # fmt: skip
+              f"one (records, bytes sent, bytes received: unchecked {theirs}, checked {mine})", flush=True)  # fmt: skip
         return 1
     return 0
 
@@ -180,7 +180,7 @@ def _traffic(comm) -> tuple:
 
 
 def _spread(ratios: list) -> str:
-    """ "min / median / max" of per-round ratios."""
+    """The per-round ratios' min / median / max, as the table prints them."""
     r = sorted(ratios)
     return f"{r[0]:.2f} / {float(np.median(r)):.2f} / {r[-1]:.2f}"
 
@@ -287,6 +287,9 @@ def main(argv=None) -> int:
                  "empty (need --max >= --min)")  # fmt: skip
     from emulator import under_mpi
 
+    if args.unchecked and not under_mpi():
+        ap.error("argument --unchecked: it times MPI ranks against native MPI; run under "
+                 "mpiexec -n P (virtual ranks have no native baseline to set it beside)")  # fmt: skip
     return bench_mpi(args) if under_mpi() else bench_virtual(args)
 
 

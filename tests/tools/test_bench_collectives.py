@@ -29,3 +29,12 @@ def test_unchecked_columns_under_mpi():
     for row in rows:  # ... ratio min / med / max, unchecked us, two more min / med / max
         assert len(row) == 3 + 6 + 5 + 1 + 5 + 5, row
         assert float(row[-11]) > 0, row
+
+
+def test_unchecked_on_virtual_ranks_is_a_one_line_error(capsys):
+    from benchmarks import collectives
+
+    with pytest.raises(SystemExit) as exc:
+        collectives.main(["--unchecked", "--max", "4096"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "mpiexec -n P" in err[0], err
