@@ -159,12 +159,18 @@ def _rows2d(a):
     return a.reshape(-1, a.shape[-1]) if a.ndim and a.flags.c_contiguous else None
 
 
+def _chunk_rows(a2):
+    """Rows of the 2-D a2 per chunk of ~GELU_CHUNK bytes: at least one, at most all."""
+    n, f = a2.shape
+    return min(n, max(1, GELU_CHUNK // (f * a2.itemsize)))
+
+
 def _gelu_forward_rows(c, y):
     """_gelu_forward_into(c, y) by row chunks of ~GELU_CHUNK bytes."""
     c2, y2 = _rows2d(c), _rows2d(y)
     if c2 is None or y2 is None or not c2.size:
         return _gelu_forward_into(c, y)
-    step = max(1, GELU_CHUNK // (c2.shape[1] * c2.itemsize))
+    step = _chunk_rows(c2)
     for a in range(0, c2.shape[0], step):
         _gelu_forward_into(c2[a : a + step], y2[a : a + step])
 
@@ -176,7 +182,7 @@ def _gelu_backward_rows(c, dy, d):
     if c2 is None or dy2 is None or d2 is None or not c2.size:
         return _gelu_backward_into(c, dy, np.empty_like(c), np.empty_like(c), d)
     n, f = c2.shape
-    step = min(n, max(1, GELU_CHUNK // (f * c2.itemsize)))
+    step = _chunk_rows(c2)
     t, s = np.empty((step, f), c2.dtype), np.empty((step, f), c2.dtype)
     for a in range(0, n, step):
         k = min(step, n - a)
