@@ -20,7 +20,9 @@ Both sides include init_params (the layouts' P ranks share one draw per spawn:
 emulator/shared_init.py); the layouts also include starting P threads and gathering the
 full-shape parameters at the end of parallel.train (uncounted, for the checks).
 Sizes: small (H 64, S 32, 4 layers: messages and Python dominate) and compute (H 256, S 64,
-4 layers: the matmuls dominate); global batch 16 on both.
+4 layers: the matmuls dominate); global batch 16 on both. The EP rows come twice: with
+ep_train's default grad_sync="allreduce" (one ring all-reduce per gradient tensor) and with
+"buckets" (grad_sync="ddp": DDP's 25 MB buckets, as the other data-parallel rows sync theirs).
 """
 
 from __future__ import annotations
@@ -69,10 +71,10 @@ def _nd(**kw):
     return lambda c, cfg, b: parallel.train(c, lay, cfg, b, 1, seed=0)
 
 
-def _ep(ep, k=1):
+def _ep(ep, k=1, grad_sync="allreduce"):
     from parallel.expert.train import ep_train
 
-    return lambda c, cfg, b: ep_train(c, cfg, 0, b, 1, ep=ep, microbatches=k)
+    return lambda c, cfg, b: ep_train(c, cfg, 0, b, 1, ep=ep, microbatches=k, grad_sync=grad_sync)
 
 
 def _cp(cp, k=1):
@@ -97,6 +99,10 @@ def cases() -> list[Case]:
         Case("dp2 x pp2 x tp2 z3 m2", 8, 4, _nd(dp=2, pp=2, tp=2, zero=3, microbatches=2)),
         Case("ep4 (E 4, top-2)", 4, 4, _ep(4), moe=True),
         Case("dp2 x ep2 (E 4, top-2)", 4, 4, _ep(2), moe=True),
+        # the same with the replicated and expert gradients in DDP's 25 MB buckets, as the DDP,
+        # ZeRO and N-D rows sync theirs (ep_train's default above: one all-reduce per tensor)
+        Case("ep4 (E 4, top-2) buckets", 4, 4, _ep(4, grad_sync="ddp"), moe=True),
+        Case("dp2 x ep2 (E 4, top-2) buckets", 4, 4, _ep(2, grad_sync="ddp"), moe=True),
         Case("cp4 ring zigzag", 4, 1, _cp(4)),
         Case("dp2 x cp2 ring zigzag", 4, 2, _cp(2)),
     ]
