@@ -31,3 +31,32 @@ def test_bench_model_against_a_missing_file_is_one_line_exit_2(capsys):
     got = capsys.readouterr()
     assert exc.value.code == 2 and got.out == ""
     assert "--against" in got.err and "no_such_ops.py" in got.err
+
+
+def test_the_ep_bucket_rows_sync_in_buckets_and_the_others_per_tensor():
+    """The "buckets" EP rows run grad_sync="ddp" (a few all-reduces a step), the plain ones
+    ep_train's per-tensor default (one all-reduce per replicated or expert tensor)."""
+    import emulator
+    from emulator.model import init_params
+    from parallel.expert.sync import is_expert
+
+    def grad_calls(case):
+        cfg = layouts.config("small", case.moe)
+        batches = layouts.batches_for(cfg)
+
+        def body(comm):
+            case.run(comm, cfg, batches)
+            return {(r.group, r.seq) for r in comm.ledger.records if "dp/grads" in r.tag}
+
+        return emulator.spawn(body, case.ranks, timeout=120)
+
+    cases = {c.label: c for c in layouts.cases()}
+    names = list(init_params(layouts.config("small", True), 0))
+    dense = [n for n in names if not is_expert(n)]
+    # ep4: the experts live on one rank each (no edp group): only the dense tensors are synced;
+    # dp2 x ep2: the dense ones over the world and the experts over edp - every tensor
+    for ep, per_tensor, n_buckets in (("ep4", len(dense), 1), ("dp2 x ep2", len(names), 2)):
+        plain = grad_calls(cases[f"{ep} (E 4, top-2)"])
+        buckets = grad_calls(cases[f"{ep} (E 4, top-2) buckets"])
+        assert [len(mine) for mine in plain] == [per_tensor] * 4, ep
+        assert [len(mine) for mine in buckets] == [n_buckets] * 4, ep
