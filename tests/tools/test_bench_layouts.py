@@ -3,8 +3,11 @@ are asserted; the machine is shared)."""
 
 import pytest
 
+import emulator
 from benchmarks import layout_costs, layouts
 from benchmarks.model import bench_model
+from emulator.model import init_params
+from parallel.expert.sync import is_expert
 
 
 def test_one_round_prints_the_row_with_its_ratio(capsys):
@@ -36,9 +39,6 @@ def test_bench_model_against_a_missing_file_is_one_line_exit_2(capsys):
 def test_the_ep_bucket_rows_sync_in_buckets_and_the_others_per_tensor():
     """The "buckets" EP rows run grad_sync="ddp" (a few all-reduces a step), the plain ones
     ep_train's per-tensor default (one all-reduce per replicated or expert tensor)."""
-    import emulator
-    from emulator.model import init_params
-    from parallel.expert.sync import is_expert
 
     def grad_calls(case):
         cfg = layouts.config("small", case.moe)
