@@ -17,13 +17,29 @@ bytes). share = (t_real - t_variant) / t_real per round; min / median / max prin
 are small differences of noisy times (a 150 ms step varies +-30% on this machine), so the < 5%
 verdict is the profile's own time of the recording (Comm._record, Record.__init__, Ledger.add)
 and check functions as a share of all ranks' time; the timed shares are printed beside it.
+
+Messages free (unprofiled, `MessageClock`): each rank thread's CPU inside the emulator's
+communication calls - a collective's whole call frame (both backends open one: OpenCall), a
+point-to-point send / recv / sendrecv outside any collective, the control plane (object gathers,
+barrier(), group creation) - summed over the ranks, in interleaved rounds (the reference step,
+then the layout under the clock). "rest" is the layout's process CPU minus what the clock found
+in those calls: its compute, its own Python, the joins of the end-of-run unshard. rest /
+reference is the ratio the row would have if every message, check and gather cost nothing:
+what no change to the message path can take it below. CPU, not wall: at the small size a
+run's rank threads share one core (emulator/affinity.py; cores busy ~1.0), so there the CPU
+ratio is the wall ratio's floor too; at the compute size the ranks' GEMMs run on both cores
+and the wall ratio is well below the CPU ratio. The clock wraps every communication
+call, nested ones included; its cost measured inside the noise (DDP, small: 82.5 against 82.2
+ms CPU with and without it, medians of 21 interleaved rounds).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import cProfile
 import pstats
+import statistics
 import threading
 import time
 from unittest import mock
@@ -32,6 +48,8 @@ import emulator
 from emulator import blas
 from emulator.comm import Comm
 from emulator.ledger import format_table
+from emulator.local import VirtualComm
+from emulator.mpi_call import OpenCall
 from emulator.reference import reference_train
 
 from .layouts import batches_for, config, load, spread, timed
@@ -126,9 +144,120 @@ def variants(case, size: str):
     return real, no_check, neither
 
 
+class MessageClock:
+    """Thread CPU inside the emulator's communication calls by kind, summed over the threads
+    (`clocked` patches them for its block, this benchmark only). A call inside another - a
+    ring step's sendrecv in its collective, a group's creation check - counts as the outer."""
+
+    KINDS = ("collectives", "point-to-point", "control plane")
+
+    def __init__(self):
+        self.cpu = dict.fromkeys(self.KINDS, 0.0)
+        self.calls = dict.fromkeys(self.KINDS, 0)
+        self._lock, self._local = threading.Lock(), threading.local()
+
+    def _begin(self) -> float | None:
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        return None if depth else time.thread_time()
+
+    def _end(self, kind: str, start: float | None) -> None:
+        self._local.depth -= 1
+        if start is not None:
+            spent = time.thread_time() - start
+            with self._lock:
+                self.cpu[kind] += spent
+                self.calls[kind] += 1
+
+    def _timed(self, fn, kind: str):
+        def call(*args, **kw):
+            start = self._begin()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self._end(kind, start)
+
+        return call
+
+    @contextlib.contextmanager
+    def clocked(self):
+        enter, leave = OpenCall.__enter__, OpenCall.__exit__
+        starts = threading.local()  # a frame's start, per thread (frames nest: a stack)
+
+        def open_call(call):
+            stack = starts.__dict__.setdefault("stack", [])
+            stack.append(self._begin())
+            try:
+                return enter(call)
+            except BaseException:
+                self._end("collectives", stack.pop())
+                raise
+
+        def close_call(call, *exc):
+            try:
+                return leave(call, *exc)
+            finally:
+                self._end("collectives", starts.stack.pop())
+
+        patches = [(OpenCall, "__enter__", open_call), (OpenCall, "__exit__", close_call)]
+        patches += [(VirtualComm, n, self._timed(getattr(VirtualComm, n), "point-to-point"))
+                    for n in ("send", "recv", "sendrecv")]  # fmt: skip
+        patches += [(VirtualComm, "allgather_object",
+                     self._timed(VirtualComm.allgather_object, "control plane")),
+                    (Comm, "group", self._timed(Comm.group, "control plane"))]  # fmt: skip
+        with contextlib.ExitStack() as stack:
+            for owner, name, fn in patches:
+                stack.enter_context(mock.patch.object(owner, name, fn))
+            yield self
+
+
+def messages_free(case, size: str, rounds: int) -> dict:
+    """Interleaved rounds of (reference, layout under a MessageClock): per round the process CPU
+    s of each, the clock's CPU s per kind and its calls (lists, one entry per round)."""
+    cfg = config(size, case.moe)
+    batches = batches_for(cfg)
+
+    def ref():
+        with blas.limit(blas.per_rank(case.ranks)):
+            reference_train(cfg, 0, batches, 1, microbatches=case.ref_microbatches)
+
+    def lay():
+        emulator.spawn(lambda c: case.run(c, cfg, batches), case.ranks, timeout=600)
+
+    ref(), lay()  # warm-up
+    out = {"ref": [], "lay": [], "calls": [], **{k: [] for k in MessageClock.KINDS}}
+    for _ in range(rounds):
+        out["ref"].append(timed(ref)[1])
+        clock = MessageClock()
+        with clock.clocked():
+            out["lay"].append(timed(lay)[1])
+        for kind in MessageClock.KINDS:
+            out[kind].append(clock.cpu[kind])
+        out["calls"].append(sum(clock.calls.values()))
+    return out
+
+
+def messages_row(case, m) -> list:
+    """One table row, medians in ms; rest = the layout's CPU minus its calls' (per round)."""
+    med = statistics.median
+    calls = [sum(ks) for ks in zip(*(m[k] for k in MessageClock.KINDS))]
+    rest = [lay - c for lay, c in zip(m["lay"], calls)]
+    ratio = [lay / ref for lay, ref in zip(m["lay"], m["ref"])]
+    free = [r / ref for r, ref in zip(rest, m["ref"])]
+    ms = lambda xs: f"{1e3 * med(xs):.1f}"
+    return [case.label, ms(m["ref"]), ms(m["lay"]), *(ms(m[k]) for k in MessageClock.KINDS),
+            ms(rest), f"{med(m['calls']) / case.ranks:.0f}", spread(ratio, "{:.2f}"),
+            spread(free, "{:.2f}")]  # fmt: skip
+
+
+MESSAGE_COLUMNS = ["layout", "reference", "layout", "in collectives", "in point-to-point",
+                   "in control plane", "rest", "calls / rank", "layout / reference min/med/max",
+                   "rest / reference min/med/max"]  # fmt: skip
+
+
 def costs(sizes, chosen, rounds: int) -> None:
     for size in sizes:
-        prof_rows, share_rows = [], []
+        prof_rows, share_rows, free_rows = [], [], []
         print(f"\n== size {size}; load average before {load()}")
         for case in chosen:
             cats, n_rec = profile(case, size)
@@ -157,6 +286,7 @@ def costs(sizes, chosen, rounds: int) -> None:
                                f"{best:+.1%}",
                                f"{led:.1%} + {chk:.1%}",
                                "yes" if led + chk < 0.05 else "no"])  # fmt: skip
+            free_rows.append(messages_row(case, messages_free(case, size, rounds)))
         print("cProfile own CPU ms by category, layout (summed over the ranks) / reference, one "
               "step after a warm-up")  # fmt: skip
         print(format_table(["layout", "records / rank", "CPU ms", "CPU ratio"]
@@ -166,4 +296,9 @@ def costs(sizes, chosen, rounds: int) -> None:
                             "ledger + check share min/med/max", "1 - min/min",
                             "profile: ledger + check",
                             "< 5%"], share_rows))  # fmt: skip
+        print(f"\nmessages free: CPU ms of the step (medians of {rounds} interleaved rounds), "
+              f"the ranks' CPU inside the emulator's communication calls (summed over "
+              f"the ranks) and the rest; rest / reference: the ratio if every message, check "
+              f"and gather cost nothing")  # fmt: skip
+        print(format_table(MESSAGE_COLUMNS, free_rows))
         print(f"load average after {load()}")
