@@ -52,7 +52,7 @@ from emulator.local import VirtualComm
 from emulator.mpi_call import OpenCall
 from emulator.reference import reference_train
 
-from .layouts import batches_for, config, load, spread, timed
+from .layouts import batches_for, config, load, spread, step_fns, timed
 
 CATEGORIES = [  # (name, predicate on (file, function)); the first that matches wins
     ("waiting (lock / Condition)", lambda f, n: "acquire" in n or f.endswith("threading.py")),
@@ -214,16 +214,7 @@ class MessageClock:
 def messages_free(case, size: str, rounds: int) -> dict:
     """Interleaved rounds of (reference, layout under a MessageClock): per round the process CPU
     s of each, the clock's CPU s per kind and its calls (lists, one entry per round)."""
-    cfg = config(size, case.moe)
-    batches = batches_for(cfg)
-
-    def ref():
-        with blas.limit(blas.per_rank(case.ranks)):
-            reference_train(cfg, 0, batches, 1, microbatches=case.ref_microbatches)
-
-    def lay():
-        emulator.spawn(lambda c: case.run(c, cfg, batches), case.ranks, timeout=600)
-
+    ref, lay = step_fns(case, size)
     ref(), lay()  # warm-up
     out = {"ref": [], "lay": [], "calls": [], **{k: [] for k in MessageClock.KINDS}}
     for _ in range(rounds):
