@@ -156,13 +156,13 @@ class MessageClock:
         self.calls = dict.fromkeys(self.KINDS, 0)
         self._lock, self._local = threading.Lock(), threading.local()
 
-    def _begin(self) -> float | None:
-        depth = getattr(self._local, "depth", 0)
-        self._local.depth = depth + 1
-        return None if depth else time.thread_time()
+    def _begin(self) -> None:
+        """Open a call on this thread: the outermost one starts the clock (None: nested)."""
+        stack = self._local.__dict__.setdefault("starts", [])
+        stack.append(None if stack else time.thread_time())
 
-    def _end(self, kind: str, start: float | None) -> None:
-        self._local.depth -= 1
+    def _end(self, kind: str) -> None:
+        start = self._local.starts.pop()
         if start is not None:
             spent = time.thread_time() - start
             with self._lock:
@@ -171,33 +171,31 @@ class MessageClock:
 
     def _timed(self, fn, kind: str):
         def call(*args, **kw):
-            start = self._begin()
+            self._begin()
             try:
                 return fn(*args, **kw)
             finally:
-                self._end(kind, start)
+                self._end(kind)
 
         return call
 
     @contextlib.contextmanager
     def clocked(self):
         enter, leave = OpenCall.__enter__, OpenCall.__exit__
-        starts = threading.local()  # a frame's start, per thread (frames nest: a stack)
 
         def open_call(call):
-            stack = starts.__dict__.setdefault("stack", [])
-            stack.append(self._begin())
+            self._begin()
             try:
                 return enter(call)
-            except BaseException:
-                self._end("collectives", stack.pop())
+            except BaseException:  # a refused call (a mismatch) never reaches __exit__
+                self._end("collectives")
                 raise
 
         def close_call(call, *exc):
             try:
                 return leave(call, *exc)
             finally:
-                self._end("collectives", starts.stack.pop())
+                self._end("collectives")
 
         patches = [(OpenCall, "__enter__", open_call), (OpenCall, "__exit__", close_call)]
         patches += [(VirtualComm, n, self._timed(getattr(VirtualComm, n), "point-to-point"))
@@ -231,8 +229,8 @@ def messages_free(case, size: str, rounds: int) -> dict:
 def messages_row(case, m) -> list:
     """One table row, medians in ms; rest = the layout's CPU minus its calls' (per round)."""
     med = statistics.median
-    calls = [sum(ks) for ks in zip(*(m[k] for k in MessageClock.KINDS))]
-    rest = [lay - c for lay, c in zip(m["lay"], calls)]
+    inside = [sum(ks) for ks in zip(*(m[k] for k in MessageClock.KINDS))]
+    rest = [lay - c for lay, c in zip(m["lay"], inside)]
     ratio = [lay / ref for lay, ref in zip(m["lay"], m["ref"])]
     free = [r / ref for r, ref in zip(rest, m["ref"])]
     ms = lambda xs: f"{1e3 * med(xs):.1f}"
