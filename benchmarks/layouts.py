@@ -1,7 +1,7 @@
 """Benchmark (not a test): one optimizer step of every layout on virtual ranks against the
 single-rank reference step on the same global batch, interleaved, as ratios from the same run.
 
-    python -m emulator bench layouts [--size small|compute|both] [--rounds 5] [--only dp2xtp2]
+    python -m emulator bench layouts [--size small|compute|both|tiny] [--rounds 5] [--only dp2xtp2]
     python -m emulator bench layouts --costs [--only ddp]   # profile categories + ledger share
 
 Rounds interleave A B A B: each round times the reference step (A) and then the layout (B) and
@@ -20,7 +20,9 @@ Both sides include init_params (the layouts' P ranks share one draw per spawn:
 emulator/shared_init.py); the layouts also include starting P threads and gathering the
 full-shape parameters at the end of parallel.train (uncounted, for the checks).
 Sizes: small (H 64, S 32, 4 layers: messages and Python dominate) and compute (H 256, S 64,
-4 layers: the matmuls dominate); global batch 16 on both. The EP rows come twice: with
+4 layers: the matmuls dominate), "both" of them the goal's sizes; tiny (H 16, S 8, 4 layers,
+V 32: what one hypothesis example of parallel.testing's costs, the per-call floors alone) only
+when asked for; global batch 16 on every size. The EP rows come twice: with
 ep_train's default grad_sync="allreduce" (one ring all-reduce per gradient tensor) and with
 "buckets" (grad_sync="ddp": DDP's 25 MB buckets, as the other data-parallel rows sync theirs).
 """
@@ -44,7 +46,10 @@ from tools import args as cli
 SIZES = {
     "small": {"d_model": 64, "max_seq_len": 32, "n_layers": 4},
     "compute": {"d_model": 256, "max_seq_len": 64, "n_layers": 4},
+    "tiny": {"d_model": 16, "max_seq_len": 8, "n_layers": 4},  # not in "both" (module docstring)
 }
+GOAL_SIZES = ("small", "compute")  # --size both
+VOCAB = {"tiny": 32}  # else 256
 BATCH = 16
 
 
@@ -110,7 +115,7 @@ def cases() -> list[Case]:
 
 def config(size: str, moe: bool) -> ModelConfig:
     extra = {"n_experts": 4, "moe_top_k": 2} if moe else {}
-    return ModelConfig(vocab_size=256, n_heads=4, **SIZES[size], **extra)
+    return ModelConfig(vocab_size=VOCAB.get(size, 256), n_heads=4, **SIZES[size], **extra)
 
 
 def batches_for(cfg):
@@ -182,9 +187,10 @@ def cpu_cells(m) -> list:
 def bench(sizes, chosen, rounds: int) -> None:
     for size in sizes:
         rows = []
-        print(f"\n== size {size}: {SIZES[size]}, V 256, A 4, global batch {BATCH} (float64), "
-              f"Psi {n_params(config(size, False)):,} dense / {n_params(config(size, True)):,} "
-              f"MoE; load average before {load()}")  # fmt: skip
+        dense, moe = config(size, False), config(size, True)
+        print(f"\n== size {size}: {SIZES[size]}, V {dense.vocab_size}, A 4, global batch {BATCH} "
+              f"(float64), Psi {n_params(dense):,} dense / {n_params(moe):,} MoE; load average "
+              f"before {load()}")  # fmt: skip
         for case in chosen:
             m = interleave(*step_fns(case, size), rounds)
             rows.append([case.label, case.ranks, blas.per_rank(case.ranks),
@@ -213,7 +219,7 @@ def main(argv=None) -> int:
     if not chosen:
         p.error(f"argument --only: {args.only!r} matches no layout; labels: "
                 f"{', '.join(c.label for c in cases())}")  # fmt: skip
-    sizes = list(SIZES) if args.size == "both" else [args.size]
+    sizes = list(GOAL_SIZES) if args.size == "both" else [args.size]
     if args.costs:
         from benchmarks.layout_costs import costs
 

@@ -18,6 +18,18 @@ def test_one_round_prints_the_row_with_its_ratio(capsys):
     assert len(set(ratio.split("/"))) == 1, row
 
 
+def test_the_tiny_size_is_asked_for_by_name(capsys, monkeypatch):
+    """--size tiny runs the property-test size (its own header); "both" stays the goal's two."""
+    assert layouts.main(["--size", "tiny", "--rounds", "1", "--only", "tp4 SP"]) == 0
+    head = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("== size"))
+    assert head.startswith("== size tiny: {'d_model': 16, 'max_seq_len': 8, 'n_layers': 4}, V 32,")
+    seen = []
+    monkeypatch.setattr(layouts, "bench", lambda sizes, chosen, rounds: seen.append(sizes))
+    layouts.main(["--only", "DDP"])
+    layouts.main(["--size", "tiny", "--only", "DDP"])
+    assert seen == [["small", "compute"], ["tiny"]]
+
+
 def test_costs_categories_cover_the_profile():
     case = next(c for c in layouts.cases() if c.label == "DDP")
     cats, records = layout_costs.profile(case, "small")
