@@ -21,7 +21,7 @@ emulator/shared_init.py); the layouts also include starting P threads and gather
 full-shape parameters at the end of parallel.train (uncounted, for the checks).
 Sizes: small (H 64, S 32, 4 layers: messages and Python dominate) and compute (H 256, S 64,
 4 layers: the matmuls dominate), "both" of them the goal's sizes; tiny (H 16, S 8, 4 layers,
-V 32: what one hypothesis example of parallel.testing's costs, the per-call floors alone) only
+V 32: what one hypothesis example of parallel.testing costs, the per-call floors alone) only
 when asked for; global batch 16 on every size. The EP rows come twice: with
 ep_train's default grad_sync="allreduce" (one ring all-reduce per gradient tensor) and with
 "buckets" (grad_sync="ddp": DDP's 25 MB buckets, as the other data-parallel rows sync theirs).
