@@ -131,7 +131,8 @@ def bench_mpi(args) -> int:
             return lambda: world.Reduce_scatter_block(x, out, op=MPI.SUM)
         return lambda: world.Allgather(x, out)
 
-    for op in _ops(args):
+    ops = _ops(args)
+    for op in ops:
         ours_fn = _ours(op, args.algorithm)
         for nbytes in _sizes(args.min, args.max):
             n = _elements(nbytes, p)
@@ -158,7 +159,7 @@ def bench_mpi(args) -> int:
             f"float32, all_reduce algorithm={args.algorithm!r}, {p} MPI ranks (ours vs mpi4py's "
             "Allreduce / Reduce_scatter_block / Allgather)"
         )
-        print(native_note(MPI.Get_library_version(), os.environ, _ops(args)))
+        print(native_note(MPI.Get_library_version(), os.environ, ops))
         head = [
             "op",
             "size",
@@ -189,15 +190,16 @@ def bench_mpi(args) -> int:
 def native_note(library: str, env, ops) -> str:
     """Which algorithms the native column ran. MPICH picks one per size and p unless its variable
     for the collective names one (read at MPI_Init, as NCCL reads NCCL_ALGO)."""
-    chosen = {op: env.get(ALGORITHM_VARS[op], "") for op in ops}
+    named = {op: env[ALGORITHM_VARS[op]] for op in ops
+             if env.get(ALGORITHM_VARS[op], "auto") not in ("", "auto")}  # fmt: skip
     if not library.startswith("MPICH"):
         lib = library.splitlines()[0].strip() if library.strip() else "this MPI"
-        named = [f"{ALGORITHM_VARS[op]}={v}" for op, v in chosen.items() if v]
-        ignored = f"; {', '.join(named)}: MPICH's, no effect here" if named else ""
-        return f"native: {lib}'s own choice of algorithms{ignored}"
-    parts = [f"{op} {v} ({ALGORITHM_VARS[op]}={v})" if v and v != "auto" else f"{op} MPICH's choice"
-             for op, v in chosen.items()]  # fmt: skip
-    hint = "" if chosen.get("all_reduce", "x") not in ("", "auto") else (
+        vars_ = ", ".join(f"{ALGORITHM_VARS[op]}={v}" for op, v in named.items())
+        return f"native: {lib}'s own choice of algorithms" + (
+            f"; {vars_}: MPICH's, no effect here" if named else "")  # fmt: skip
+    parts = [f"{op} {named[op]} ({ALGORITHM_VARS[op]}={named[op]})" if op in named
+             else f"{op} MPICH's choice" for op in ops]  # fmt: skip
+    hint = "" if "all_reduce" not in ops or "all_reduce" in named else (
         f"; {ALGORITHM_VARS['all_reduce']}=ring (or tree, recursive_doubling, "
         "reduce_scatter_allgather) times MPICH's own version of one")  # fmt: skip
     return "native: " + ", ".join(parts) + hint

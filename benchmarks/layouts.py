@@ -1,7 +1,7 @@
 """Benchmark (not a test): one optimizer step of every layout on virtual ranks against the
 single-rank reference step on the same global batch, interleaved, as ratios from the same run.
 
-    python -m emulator bench layouts [--size small|compute|both|tiny] [--rounds 5] [--only dp2xtp2]
+    python -m emulator bench layouts [--size small|compute|both|tiny] [--rounds 5] [--only ddp]
     python -m emulator bench layouts --costs [--only ddp]   # profile categories + ledger share
 
 Rounds interleave A B A B: each round times the reference step (A) and then the layout (B) and
@@ -44,12 +44,11 @@ from emulator.reference import reference_train
 from tools import args as cli
 
 SIZES = {
-    "small": {"d_model": 64, "max_seq_len": 32, "n_layers": 4},
-    "compute": {"d_model": 256, "max_seq_len": 64, "n_layers": 4},
-    "tiny": {"d_model": 16, "max_seq_len": 8, "n_layers": 4},  # not in "both" (module docstring)
+    "small": {"d_model": 64, "max_seq_len": 32, "n_layers": 4, "vocab_size": 256},
+    "compute": {"d_model": 256, "max_seq_len": 64, "n_layers": 4, "vocab_size": 256},
+    "tiny": {"d_model": 16, "max_seq_len": 8, "n_layers": 4, "vocab_size": 32},  # not in "both"
 }
 GOAL_SIZES = ("small", "compute")  # --size both
-VOCAB = {"tiny": 32}  # else 256
 BATCH = 16
 
 
@@ -115,7 +114,7 @@ def cases() -> list[Case]:
 
 def config(size: str, moe: bool) -> ModelConfig:
     extra = {"n_experts": 4, "moe_top_k": 2} if moe else {}
-    return ModelConfig(vocab_size=VOCAB.get(size, 256), n_heads=4, **SIZES[size], **extra)
+    return ModelConfig(n_heads=4, **SIZES[size], **extra)
 
 
 def batches_for(cfg):
@@ -187,10 +186,9 @@ def cpu_cells(m) -> list:
 def bench(sizes, chosen, rounds: int) -> None:
     for size in sizes:
         rows = []
-        dense, moe = config(size, False), config(size, True)
-        print(f"\n== size {size}: {SIZES[size]}, V {dense.vocab_size}, A 4, global batch {BATCH} "
-              f"(float64), Psi {n_params(dense):,} dense / {n_params(moe):,} MoE; load average "
-              f"before {load()}")  # fmt: skip
+        print(f"\n== size {size}: {SIZES[size]}, A 4, global batch {BATCH} (float64), "
+              f"Psi {n_params(config(size, False)):,} dense / {n_params(config(size, True)):,} "
+              f"MoE; load average before {load()}")  # fmt: skip
         for case in chosen:
             m = interleave(*step_fns(case, size), rounds)
             rows.append([case.label, case.ranks, blas.per_rank(case.ranks),

@@ -22,7 +22,9 @@ def test_the_tiny_size_is_asked_for_by_name(capsys, monkeypatch):
     """--size tiny runs the property-test size (its own header); "both" stays the goal's two."""
     assert layouts.main(["--size", "tiny", "--rounds", "1", "--only", "tp4 SP"]) == 0
     head = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("== size"))
-    assert head.startswith("== size tiny: {'d_model': 16, 'max_seq_len': 8, 'n_layers': 4}, V 32,")
+    assert head.startswith(
+        "== size tiny: {'d_model': 16, 'max_seq_len': 8, 'n_layers': 4, 'vocab_size': 32}, A 4,"
+    )
     seen = []
     monkeypatch.setattr(layouts, "bench", lambda sizes, chosen, rounds: seen.append(sizes))
     layouts.main(["--only", "DDP"])
