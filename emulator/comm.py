@@ -36,6 +36,7 @@ from .rank import (  # noqa: F401 - re-exported: the backends and users import t
     CollectiveMismatch,
     CommError,
     CommTimeout,
+    PeerExited,
     RankAborted,
     RankState,
     UnreceivedMessage,

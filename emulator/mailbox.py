@@ -38,7 +38,7 @@ import threading
 import time
 from collections import deque
 
-from .rank import CommTimeout, UnreceivedMessage
+from .rank import CommTimeout, PeerExited, UnreceivedMessage
 
 MAX_SLEEP = 3600.0  # one wait's longest sleep (Condition.wait rejects an infinite timeout)
 
@@ -118,18 +118,20 @@ class Mailbox:
             if q:
                 return q.popleft()
             with self.lock:
-                ok = self._wait(q.__len__)
-            if ok:
+                why = self._wait(q.__len__, src)
+            if why is None:
                 return q.popleft()
         else:
             k, box = (comm.gid, channel, src), self.box
             q = box.get(k)
             if q:
                 return q.popleft()
-            with self.lock:
-                ok = self._wait(lambda: box.get(k))  # the sender may make the queue meanwhile
-            if ok:
+            with self.lock:  # the sender may make the queue meanwhile
+                why = self._wait(lambda: box.get(k), src)
+            if why is None:
                 return box[k].popleft()
+        if why == src:
+            self.peer_exited(comm, channel, src)
         self.timed_out(comm, src)
 
     def timed_out(self, comm, src: int) -> None:
@@ -145,29 +147,53 @@ class Mailbox:
             ),
         )
 
-    # -- waiting ------------------------------------------------------------------------------
-    def _wait(self, ready) -> bool:
-        """With `lock` held: sleep until `ready()`, the world's failure, or the deadline.
+    def peer_exited(self, comm, channel: int, src: int) -> None:
+        """A receive from global rank `src` can never complete: src's program has returned."""
+        w = self.world
+        w.raise_if_failed()
+        call = comm.state.current
+        inside = "" if channel < 0 or call is None else f", in {call.describe()},"
+        w.fail(
+            self.rank,
+            lambda: PeerExited(
+                f"rank {self.rank}{inside} waits to receive from rank {src} in group "
+                f"{comm.name!r}, but rank {src}'s program has returned with nothing more sent "
+                f"to it: the receive can never complete (a hang, found before the "
+                f"{w.timeout:g} s timeout: a skipped send, or a rank that ran fewer steps or "
+                f"returned early).\nflight recorder:\n{w.flight_recorder()}"
+            ),
+        )
 
-        No periodic wake-ups: a sender's notify, the world's abort, or the deadline ends the
+    # -- waiting ------------------------------------------------------------------------------
+    def _wait(self, ready, src: int = -1) -> int | None:
+        """With `lock` held: sleep until `ready()` (-> None), the world's failure or the deadline
+        (-> -1), or - for a receive from global rank `src` - until src's program has returned
+        with nothing ready (-> src: nothing more can come).
+
+        No periodic wake-ups: a sender's notify, the world's abort, src's return
+        (`VirtualWorld.rank_done` wakes the ranks in `waiters[src]`) or the deadline ends the
         sleep (4,096 ranks each waking once a second starved the ranks doing the work).
         """
         w = self.world
         st = w.states[self.rank]
         deadline = time.monotonic() + w.timeout
         st.waiting = True
+        if src >= 0:  # before the first look at `exited`: rank_done reads the set after
+            w.waiters[src].add(self.rank)  # setting it, so one of the two sees the other
         try:
             while True:
                 self.sleeping = True  # before the look at `ready`: see the module docstring
                 if w.failure is not None:
-                    return False
+                    return -1
                 if ready():
-                    return True
+                    return None
+                if src >= 0 and w.exited[src]:  # its sends were all queued before it returned
+                    return None if ready() else src
                 left = deadline - time.monotonic()
                 if left <= 0:
                     deadline, left = _extend(w, deadline)
                     if left <= 0:
-                        return False
+                        return -1
                 lock = self.lock
                 lock.release()  # asleep without the lock, as Condition.wait would be
                 try:
@@ -176,12 +202,14 @@ class Mailbox:
                     lock.acquire()
         finally:
             st.waiting = self.sleeping = False
+            if src >= 0:
+                w.waiters[src].discard(self.rank)
 
     def wait_for(self, ready, describe) -> None:
         """Wait until `ready()`; on the deadline fail the world with `describe()` + recorder."""
         with self.lock:
-            ok = self._wait(ready)
-        if ok:
+            why = self._wait(ready)
+        if why is None:
             return
         w = self.world
         w.raise_if_failed()

@@ -24,6 +24,11 @@ class CommTimeout(CommError):
     """A blocking wait exceeded the world's timeout (a hang, reported instead of waited on)."""
 
 
+class PeerExited(CommTimeout):
+    """Virtual ranks: a receive that can never complete - the rank it waits on has returned
+    from its program with nothing more queued for it. Raised at once, not after the timeout."""
+
+
 class CollectiveMismatch(CommError):
     """Ranks of one group called different collectives (op, algorithm, shape, dtype or group)."""
 

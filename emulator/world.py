@@ -40,6 +40,7 @@ class VirtualWorld:
         self.started_at: float | None = None  # when every thread ran (no deadline ends before)
         self.running = world_size
         self.exited = [False] * world_size  # the rank's thread has left the user's program
+        self.waiters = [set() for _ in range(world_size)]  # rank -> ranks receiving from it
 
     # -- failure ----------------------------------------------------------------------------
     def abort(self, rank: int, exc: BaseException) -> bool:
@@ -94,10 +95,14 @@ class VirtualWorld:
         return "\n".join("  " + s.flight() for s in self.states)
 
     def rank_done(self, rank: int) -> None:
+        """`rank`'s thread has left its program: wake the spawner and every rank blocked in a
+        receive from it (nothing more can come: Mailbox._wait tells them)."""
         with self.done:
             self.running -= 1
             self.exited[rank] = True
             self.done.notify_all()
+        for r in list(self.waiters[rank]):
+            self.boxes[r].wake()
 
 
 # VirtualComm's two users of the world's cross-rank tables (`self` is the VirtualComm)

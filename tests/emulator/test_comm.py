@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import emulator
-from emulator import CollectiveMismatch, CommError, CommTimeout
+from emulator import CollectiveMismatch, CommError, CommTimeout, PeerExited
 
 F8 = np.float64
 
@@ -123,20 +123,53 @@ def test_non_member_cannot_create_a_group():
         emulator.spawn(lambda c: c.group([0]), 2, timeout=5)
 
 
-def test_a_rank_that_never_sends_times_out_with_the_flight_recorder():
+def test_a_receive_from_a_rank_that_returned_fails_at_once_with_the_flight_recorder():
     def fn(c):
         with c.collective("all_reduce", "ring", np.ones(2)):
-            if c.rank != 2:  # rank 2 skips its send: the others wait on it
+            if c.rank != 2:  # rank 2 skips its send and returns: nothing can come from it
                 c.recv(2, shape=1, dtype=F8)
 
     t0 = time.perf_counter()
-    with pytest.raises(CommTimeout) as info:
-        emulator.spawn(fn, 3, timeout=0.5)
-    assert time.perf_counter() - t0 < 5
+    with pytest.raises(PeerExited) as info:
+        emulator.spawn(fn, 3, timeout=30)
+    assert time.perf_counter() - t0 < 5  # not the 30 s timeout
     text = str(info.value)
-    assert "waited 0.5 s to receive from rank 2" in text
+    assert (
+        ", in all_reduce#0(algorithm='ring', group='world', float64[2]), waits to receive "
+        "from rank 2 in group 'world', but rank 2's program has returned" in text
+    )
     assert "rank 0: last completed none; current all_reduce#0(algorithm='ring'" in text
     assert "rank 2: last completed all_reduce#0" in text
+
+
+def test_a_point_to_point_receive_from_a_returned_rank_fails_at_once():
+    def fn(c):
+        if c.rank == 0:
+            c.send(np.ones(1), 1)  # one message; rank 1 waits for a second
+            time.sleep(0.3)  # rank 1 is asleep when rank 0 returns: rank_done must wake it
+        else:
+            c.recv(0, shape=1, dtype=F8)
+            c.recv(0, shape=1, dtype=F8)
+
+    t0 = time.perf_counter()
+    with pytest.raises(PeerExited, match="rank 1 waits to receive from rank 0 in group 'world'"):
+        emulator.spawn(fn, 2, timeout=30)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_a_receive_the_peer_may_still_answer_waits_out_the_timeout():
+    def fn(c):  # both ranks receive first: a cycle of live ranks, only the deadline ends it
+        with c.collective("all_reduce", "ring", np.ones(2)):
+            c.recv(1 - c.rank, shape=1, dtype=F8)
+
+    t0 = time.perf_counter()
+    with pytest.raises(CommTimeout) as info:
+        emulator.spawn(fn, 2, timeout=0.5)
+    assert time.perf_counter() - t0 < 5
+    assert not isinstance(info.value, PeerExited)
+    text = str(info.value)
+    assert "waited 0.5 s to receive from rank " in text
+    assert "current all_reduce#0(algorithm='ring'" in text
 
 
 def test_the_first_exception_stops_the_world_and_is_reraised():
